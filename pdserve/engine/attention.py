@@ -1,0 +1,154 @@
+"""Paged attention over the KV cache: metadata, the torch (CPU) backend, and the registry.
+
+Cache layout, per layer: ``k_cache`` and ``v_cache`` of shape
+``[num_blocks, num_kv_heads, block_size, head_dim]`` (head-major inside a block, so one
+block of one head is a contiguous ``[block_size, head_dim]`` matrix).
+
+A step's tokens are flattened, decode-like requests (one query token) first:
+
+    tokens:  [ d0 d1 ... d(D-1) | p0 p0 p0 p0 | p1 p1 ... ]
+               one token each     a prompt chunk per prefill request
+
+Decode-like requests are attended in one batch over all their blocks at once ("flat
+blocks"), with a softmax that spans the blocks of each request (segment max and sum). No
+Python loop runs over them. Each prefill chunk runs through SDPA on its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """A request computing more than one token this step."""
+
+    query_start: int  # index of its first token in the flattened batch
+    query_len: int
+    context_len: int  # tokens before the chunk (prefix hit or earlier chunks)
+    block_ids: torch.Tensor  # blocks covering context_len + query_len tokens
+
+
+@dataclass
+class AttentionMetadata:
+    slot_blocks: torch.Tensor  # [T] block of each new token's KV slot
+    slot_offsets: torch.Tensor  # [T] offset of that slot inside its block
+    num_decodes: int  # the first num_decodes tokens are one-token requests
+    # Flat blocks of the decode-like requests: every block of request r, request after request.
+    decode_block_ids: torch.Tensor  # [NB]
+    decode_block_req: torch.Tensor  # [NB] index (0..num_decodes-1) of the request owning the block
+    decode_block_mask: torch.Tensor  # [NB, block_size] True where the slot holds a context token
+    prefills: list[PrefillChunk]
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
+    """Store the step's new keys and values in their slots."""
+    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+
+
+class TorchPagedAttention:
+    """Attention through torch ops; the CPU path (and the reference for GPU kernels)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        d = meta.num_decodes
+        if d:
+            out[:d] = self.decode(q[:d], k_cache, v_cache, meta)
+        for chunk in meta.prefills:
+            sl = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out[sl] = self.prefill(q[sl], k[sl], v[sl], k_cache, v_cache, chunk)
+        return out
+
+    def decode(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """One query token per request, softmax across each request's blocks."""
+        n, kvh, g, hd = q.shape[0], self.num_kv_heads, self.group, self.head_dim
+        req = meta.decode_block_req
+        kb = k_cache[meta.decode_block_ids]  # [NB, kvh, bs, hd]
+        vb = v_cache[meta.decode_block_ids]
+        qb = q.view(n, kvh, g, hd)[req]  # [NB, kvh, g, hd]
+        scores = torch.matmul(qb, kb.transpose(-1, -2)).mul_(self.scale)  # [NB, kvh, g, bs]
+        scores.masked_fill_(~meta.decode_block_mask[:, None, None, :], float("-inf"))
+        block_max = scores.amax(-1)  # [NB, kvh, g]
+        req_max = torch.full((n, kvh, g), float("-inf"), dtype=q.dtype)
+        req_max.scatter_reduce_(0, req[:, None, None].expand_as(block_max), block_max, "amax")
+        probs = torch.exp_(scores.sub_(req_max[req].unsqueeze(-1)))
+        denom = torch.zeros(n, kvh, g, dtype=q.dtype).index_add_(0, req, probs.sum(-1))
+        partial = torch.matmul(probs, vb)  # [NB, kvh, g, hd]
+        out = torch.zeros(n, kvh, g, hd, dtype=q.dtype).index_add_(0, req, partial)
+        return out.div_(denom.unsqueeze(-1)).view(n, kvh * g, hd)
+
+    def prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+        """A chunk of queries over its context and itself, causally."""
+        if chunk.context_len == 0:
+            keys, values, mask, causal = k, v, None, True
+        else:
+            total = chunk.context_len + chunk.query_len
+            keys = _gather(k_cache, chunk.block_ids, total)
+            values = _gather(v_cache, chunk.block_ids, total)
+            positions = torch.arange(total)
+            mask = positions[None, :] <= (chunk.context_len + torch.arange(chunk.query_len))[:, None]
+            causal = False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=self.group > 1,
+        )
+        return out.transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of a block table as ``[length, kv_heads, head_dim]``."""
+    blocks = cache[block_ids]  # [nb, kvh, bs, hd]
+    nb, kvh, bs, hd = blocks.shape
+    return blocks.transpose(1, 2).reshape(nb * bs, kvh, hd)[:length]
+
+
+# Backends by name, imported lazily so that GPU kernels load only when chosen.
+_BACKENDS: dict[str, str] = {
+    "torch": "pdserve.engine.attention:TorchPagedAttention",
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    _BACKENDS[name] = target
+
+
+def get_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    if name == "auto":
+        name = "torch"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
+    module, _, attr = _BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)(num_heads, num_kv_heads, head_dim)

@@ -1,0 +1,166 @@
+"""Engine configuration: the model's shape (ModelConfig) and the engine's knobs (EngineConfig)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pdserve.configs import ConfigError, doc
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: ``llama3`` (Llama 3.1+) or ``linear`` (position interpolation)."""
+
+    rope_type: Literal["llama3", "linear"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family model."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def num_params(self) -> int:
+        """Parameters, counting a tied embedding once."""
+        d, hd = self.hidden_size, self.head_dim
+        attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        mlp = 3 * d * self.intermediate_size
+        per_layer = attn + mlp + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + d
+
+    def kv_bytes_per_token(self, dtype_size: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_size
+
+    def fingerprint(self) -> str:
+        """A short stable digest of the shape (transfer handshakes compare it)."""
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """From a Hugging Face ``config.json`` of a Llama model."""
+        scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
+        rope_type = scaling.get("rope_type") or scaling.get("type")
+        rope = None
+        if rope_type in ("llama3", "linear"):
+            rope = RopeScaling(
+                rope_type=rope_type,
+                factor=float(scaling["factor"]),
+                low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+            )
+        elif rope_type not in (None, "default"):
+            raise ConfigError(f"config.json rope_scaling.rope_type {rope_type!r} is not supported (llama3, linear)")
+        theta = cfg.get("rope_theta", scaling.get("rope_theta", 10000.0))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim") or 0,
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=rope,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        )
+
+
+# Published shapes, for random-weight models (tests, large-shape benchmarks): "random:<name>".
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2
+    ),
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, rope_theta=100000.0,
+    ),
+    "llama-3.2-1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+        num_kv_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling=RopeScaling(factor=32.0), tie_word_embeddings=True,
+    ),
+    "llama-3-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
+    ),
+    "llama-3.1-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling=RopeScaling(factor=8.0), tie_word_embeddings=False,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's knobs. Every field is a ``--flag`` of ``pdserve generate|chat|serve|worker``."""
+
+    model: str = doc(
+        DEFAULT_MODEL,
+        "model to serve: a name (smollm2-135m-instruct), a .gguf file, a Hugging Face folder "
+        "(config.json + safetensors + tokenizer.json), or random:<preset> for random weights "
+        "(presets: " + ", ".join(PRESETS) + ")",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = doc(
+        "float32", "weights, activations and KV-cache dtype (float32 is fastest on CPUs without bf16 units)"
+    )
+    block_size: int = doc(16, "tokens per KV-cache block")
+    kv_cache_memory_gb: float = doc(2.0, "memory budget for the KV cache, in GiB")
+    num_kv_blocks: int | None = doc(None, "number of KV-cache blocks; overrides kv_cache_memory_gb")
+    max_model_len: int | None = doc(None, "longest prompt + output in tokens (default: the model's context)")
+    max_num_batched_tokens: int = doc(1024, "token budget of one engine step (prefill chunks plus decodes)")
+    max_num_seqs: int = doc(64, "cap on requests running at once")
+    enable_prefix_caching: bool = doc(True, "reuse the KV of full blocks shared with earlier prompts")
+    seed: int = doc(0, "seed for random weights and for sampling of requests without their own seed")
+    num_threads: int | None = doc(None, "torch intra-op threads (default: torch's choice, one per core)")
+    load_progress: bool = doc(True, "show a progress bar while the model loads")
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"EngineConfig.{name} must be positive, got {value}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ConfigError(f"EngineConfig.kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")

@@ -1,0 +1,249 @@
+"""The engine: requests in, a step function, request outputs (token and text deltas) out.
+
+    step():  schedule() -> SchedulerOutput
+             execute(SchedulerOutput) -> ModelOutput           (model runner)
+             update(SchedulerOutput, ModelOutput) -> [CoreOutput]   (scheduler: tokens, token stops)
+             text: incremental detokenisation, stop strings  -> [RequestOutput]
+
+Callers (the offline ``LLM``, the workers) own the loop: add requests, call ``step()`` while
+``has_unfinished()``, route each ``RequestOutput`` to whoever waits for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.loader import LoadedModel, load_model
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.request import Request, RequestOutput, RequestStatus
+from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.scheduler import CoreOutput, Scheduler
+from pdserve.engine.tokenizer import IncrementalDetokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    """A load snapshot (what routers and autoscalers read)."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_remote_kv: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    kv_usage: float
+    num_preemptions: int
+    prompt_tokens: int  # totals since start
+    generation_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    waiting_prompt_tokens: int  # prompt tokens of waiting requests not yet computed
+
+
+@dataclass
+class _TextState:
+    """Per-request text: what was decoded, what was emitted, what is held back for stop strings."""
+
+    detokenizer: IncrementalDetokenizer
+    stops: tuple[str, ...]
+    hold: int  # characters kept back while a stop string could still be forming
+    text: str = ""
+    emitted: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        dtype = _DTYPES[config.dtype]
+        self.loaded = loaded or load_model(
+            config.model, dtype=dtype, max_positions=config.max_model_len, seed=config.seed,
+            progress=config.load_progress,
+        )
+        self.model_config = cfg = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.source.name
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        self.block_size = config.block_size
+        block_bytes = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size
+        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // block_bytes)
+        if num_blocks < 1:
+            raise InvalidRequestError("kv_cache_memory_gb", f"{config.kv_cache_memory_gb} GiB holds no block")
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, config.seed)
+        self._text: dict[str, _TextState] = {}
+        self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_queries": 0, "prefix_hits": 0}
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and build a request (not yet queued)."""
+        if request_id in self.scheduler.requests or request_id in self._text:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(ids, params)
+        return Request(
+            request_id, ids, params, self.tokenizer.eos_token_ids, cache_salt, self.max_model_len, arrival_time
+        )
+
+    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        n = len(ids)
+        if n == 0:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"has {n} tokens; this model's context is {self.max_model_len} tokens "
+                "and at least one must be left to generate", code="context_length_exceeded",
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"this model's context is {self.max_model_len} tokens; the prompt has {n} and "
+                f"max_tokens asks for {params.max_tokens} more", code="context_length_exceeded",
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if cdiv(n + 1, self.block_size) > self.kv.num_blocks:
+            raise InvalidRequestError("prompt", f"{n} tokens do not fit in the KV cache ({self.kv.num_blocks} blocks)")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        request = self.make_request(request_id, prompt, params or SamplingParams(), cache_salt, arrival_time)
+        self._track(request)
+        self.scheduler.add_request(request)
+        return request
+
+    def reserve_remote_request(self, request: Request) -> list[int] | None:
+        """Reserve blocks for a request whose prompt KV arrives from outside (None: no room)."""
+        block_ids = self.scheduler.reserve_remote_kv(request)
+        if block_ids is not None:
+            self._track(request)
+        return block_ids
+
+    def finish_remote_kv(self, request_id: str, ok: bool, output_token_ids: list[int] = ()) -> list[RequestOutput]:
+        """The KV of a reserved request landed (ok) or not (recompute); it joins the queue.
+
+        ``output_token_ids`` were sampled elsewhere; their text is reported now.
+        """
+        self.scheduler.finish_remote_kv(request_id, ok, output_token_ids)
+        request = self.scheduler.requests[request_id]
+        if not output_token_ids:
+            return []
+        return self._process([CoreOutput(request, list(output_token_ids), None, False)])
+
+    def _track(self, request: Request) -> None:
+        p = request.sampling_params
+        hold = max((len(s) for s in p.stop), default=1) - 1
+        self._text[request.request_id] = _TextState(self.tokenizer.detokenizer(p.skip_special_tokens), p.stop, hold)
+        self._counters["prompt_tokens"] += request.num_prompt_tokens
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ended = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        outputs = []
+        for request in ended:
+            state = self._text.pop(request.request_id, None)
+            text = state.text[state.emitted :] if state else ""
+            outputs.append(self._output(request, [], text, None, True))
+        return outputs
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        for item in sched.scheduled:
+            if item.start == 0 and item.request.num_preemptions == 0:
+                self._counters["prefix_queries"] += item.request.num_prompt_tokens
+                self._counters["prefix_hits"] += item.request.num_cached_tokens
+        model_out = self.runner.execute(sched)
+        return self._process(self.scheduler.update(sched, model_out))
+
+    def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
+        outputs = []
+        for co in core_outputs:
+            request, state = co.request, self._text[co.request.request_id]
+            self._counters["generation_tokens"] += len(co.new_token_ids)
+            finished = co.finished
+            before = len(state.text)
+            state.text += "".join(state.detokenizer.step(t) for t in co.new_token_ids)
+            if state.stops and not finished and request.num_output_tokens > request.sampling_params.min_tokens:
+                finished = self._check_stop_strings(request, state, before)
+            end = len(state.text) if finished else max(state.emitted, len(state.text) - state.hold)
+            new_text, state.emitted = state.text[state.emitted : end], end
+            if finished:
+                del self._text[request.request_id]
+            outputs.append(self._output(request, co.new_token_ids, new_text, co.new_logprobs, finished))
+        return outputs
+
+    def _check_stop_strings(self, request: Request, state: _TextState, before: int) -> bool:
+        start = max(0, before - state.hold)
+        found = [(i, s) for s in state.stops if (i := state.text.find(s, start)) >= 0]
+        if not found:
+            return False
+        index, stop = min(found)
+        keep = index + len(stop) if request.sampling_params.include_stop_str_in_output else index
+        state.text = state.text[:keep]
+        state.emitted = min(state.emitted, keep)
+        request.stop_reason = stop
+        self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        return True
+
+    def _output(self, request: Request, new_ids, new_text, logprobs, finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=list(new_ids),
+            new_text=new_text,
+            finished=finished,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason,
+            new_logprobs=logprobs,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    # ---- state ---------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        waiting_prompt = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+        c = self._counters
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_waiting_remote_kv=len(self.scheduler.remote),
+            num_kv_blocks=self.kv.num_blocks,
+            num_free_kv_blocks=self.kv.pool.num_free_blocks,
+            kv_usage=self.kv.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=c["prompt_tokens"],
+            generation_tokens=c["generation_tokens"],
+            prefix_cache_queries=c["prefix_queries"],
+            prefix_cache_hits=c["prefix_hits"],
+            waiting_prompt_tokens=waiting_prompt,
+        )

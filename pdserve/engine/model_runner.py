@@ -1,0 +1,108 @@
+"""Runs a scheduled step through the model: inputs from the schedule, KV cache, sampling.
+
+``execute(SchedulerOutput) -> ModelOutput``. The KV cache is one tensor
+``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``; layer ``l`` reads and
+writes ``cache[l, 0]`` (keys) and ``cache[l, 1]`` (values).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.attention import AttentionMetadata, PrefillChunk, get_backend
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.kv_cache_manager import cdiv
+from pdserve.engine.model import LlamaForCausalLM
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device="cpu") -> torch.Tensor:
+    # Zeroed: a masked-out slot still takes part in ``probs @ V`` (as 0 * value), so it must
+    # never hold NaN or inf.
+    shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        seed: int = 0,
+        attention_backend: str = "auto",
+    ):
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, self.dtype, self.device)
+        self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        self.backend = get_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.sampler = Sampler(seed)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        # One-token requests first: the attention backend batches them together.
+        items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
+        input_ids, positions, meta, last_rows = self._prepare(items)
+        hidden = self.model(input_ids, positions, self.layer_caches, meta, self.backend)
+        sampling = [(item, row) for item, row in zip(items, last_rows) if item.sample]
+        out = ModelOutput()
+        if not sampling:
+            return out
+        logits = self.model.compute_logits(hidden[[row for _, row in sampling]])
+        requests = [item.request for item, _ in sampling]
+        tokens, logprobs = self.sampler(logits, requests)
+        for request, token, lp in zip(requests, tokens, logprobs):
+            out.sampled_token_ids[request.request_id] = [token]
+            if lp is not None:
+                out.logprobs[request.request_id] = [lp]
+        return out
+
+    def _prepare(self, items: list[ScheduledRequest]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_blocks: list[int] = []
+        last_rows: list[int] = []
+        dec_blocks: list[int] = []
+        dec_req: list[int] = []
+        dec_block_index: list[int] = []
+        dec_block_ctx: list[int] = []
+        prefills: list[PrefillChunk] = []
+        num_decodes = 0
+        for item in items:
+            start, n, table = item.start, item.num_tokens, item.block_ids
+            row = len(ids)
+            ids.extend(item.request.all_token_ids[start : start + n])
+            span = range(start, start + n)
+            pos.extend(span)
+            slot_blocks.extend(table[p // bs] for p in span)
+            last_rows.append(row + n - 1)
+            if n == 1:
+                ctx = start + 1
+                nblocks = cdiv(ctx, bs)
+                dec_blocks.extend(table[:nblocks])
+                dec_req.extend([num_decodes] * nblocks)
+                dec_block_index.extend(range(nblocks))
+                dec_block_ctx.extend([ctx] * nblocks)
+                num_decodes += 1
+            else:
+                used = torch.tensor(table[: cdiv(start + n, bs)], dtype=torch.long)
+                prefills.append(PrefillChunk(row, n, start, used))
+        positions = torch.tensor(pos, dtype=torch.long)
+        index = torch.tensor(dec_block_index, dtype=torch.long)
+        ctx = torch.tensor(dec_block_ctx, dtype=torch.long)
+        meta = AttentionMetadata(
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long),
+            slot_offsets=positions % bs,
+            num_decodes=num_decodes,
+            decode_block_ids=torch.tensor(dec_blocks, dtype=torch.long),
+            decode_block_req=torch.tensor(dec_req, dtype=torch.long),
+            decode_block_mask=(index[:, None] * bs + torch.arange(bs)[None, :]) < ctx[:, None],
+            prefills=prefills,
+        )
+        return torch.tensor(ids, dtype=torch.long), positions, meta, last_rows

@@ -1,0 +1,119 @@
+"""A request inside the engine, and what the engine reports about it after each step."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.block_pool import BlockHash
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks reserved, KV arriving from a prefill worker
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One sequence. Its KV catches up with its tokens: ``num_computed_tokens <= num_tokens``.
+
+        all_token_ids:  [ prompt ............ | output ...... ]
+                        [ computed (KV in cache) ...... | to compute ]
+                                                 ^ num_computed_tokens
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        cache_salt: str | None = None,
+        max_model_len: int | None = None,
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.cache_salt = cache_salt
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first scheduling
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.block_hashes: list[BlockHash] = []
+        room = (max_model_len - self.num_prompt_tokens) if max_model_len else None
+        limits = [x for x in (sampling_params.max_tokens, room) if x is not None]
+        self.max_output_tokens: int | None = min(limits) if limits else None
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token, and its rank among all tokens (1 = most likely)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's logprob and the top alternatives at one position."""
+
+    sampled: Logprob
+    top: list[Logprob]
+
+
+@dataclass
+class RequestOutput:
+    """What a step changed for one request (deltas, so streaming is cheap)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)

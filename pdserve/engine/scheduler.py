@@ -1,0 +1,255 @@
+"""Iteration-level scheduler: continuous batching, chunked prefill, preemption by recompute.
+
+There is no prefill phase and no decode phase. Each step, every running request asks for the
+tokens it has not computed yet (one for a decoding request, a chunk for a prompt), within a
+token budget; then waiting requests are admitted FCFS while budget, blocks and the cap on
+running requests allow. When a running request cannot get a block, the most recently admitted
+running request is preempted: its blocks are freed and it recomputes later (its prefix may
+still be in the cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus, TokenLogprobs
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request: Request
+    start: int  # first position computed this step (num_computed_tokens before the step)
+    num_tokens: int  # positions [start, start + num_tokens) are computed this step
+    block_ids: list[int]  # the request's block table, covering at least start + num_tokens
+    sample: bool  # the step reaches the request's last known token: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelOutput:
+    """What ``execute`` produced: new tokens (and logprobs) of the requests that sampled."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class CoreOutput:
+    """Token-level result of a step for one request (text comes later, in the engine)."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+    ):
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV, blocks reserved
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def reserve_remote_kv(self, request: Request) -> list[int] | None:
+        """Reserve blocks for a prompt whose KV will be written from outside; None if no room.
+
+        A local prefix hit is kept: the request's ``num_computed_tokens`` says how many
+        leading tokens are already here, so only the rest needs to arrive.
+        """
+        hits = self.kv.get_computed_blocks(request)
+        request.num_computed_tokens = len(hits) * self.kv.block_size
+        num_new = request.num_tokens - request.num_computed_tokens
+        if self.kv.allocate_slots(request, num_new, hits, delay_caching=True) is None:
+            request.num_computed_tokens = 0
+            return None
+        request.num_cached_tokens = request.num_computed_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.remote[request.request_id] = request
+        return self.kv.block_ids(request.request_id)
+
+    def finish_remote_kv(self, request_id: str, ok: bool, output_token_ids: Iterable[int] = ()) -> None:
+        """The remote KV has landed (ok) or failed (recompute locally); queue the request.
+
+        ``output_token_ids``: tokens already sampled elsewhere (the prefill's first token).
+        """
+        request = self.remote.pop(request_id)
+        if ok:
+            request.num_computed_tokens = request.num_prompt_tokens
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+        for token_id in output_token_ids:
+            request.append_output_token(token_id)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # the request itself was preempted: nothing behind it is left
+            out.scheduled.append(self._take(request, num_new))
+            budget -= num_new
+            i += 1
+        if not out.preempted_ids:
+            budget = self._admit_waiting(budget, out)
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while self.kv.allocate_slots(request, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        bs = self.kv.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            fresh = not self.kv.block_ids(request.request_id)
+            hits = self.kv.get_computed_blocks(request) if fresh else []
+            num_computed = request.num_computed_tokens + len(hits) * bs
+            num_new = min(request.num_tokens - num_computed, budget)
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING and fresh:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._take(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _take(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_new
+        return ScheduledRequest(
+            request=request,
+            start=start,
+            num_tokens=num_new,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=request.num_computed_tokens == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, sched: SchedulerOutput, model_out: ModelOutput) -> list[CoreOutput]:
+        """Append sampled tokens, apply token-level stops, free what finished."""
+        outputs = []
+        for item in sched.scheduled:
+            request = item.request
+            if not item.sample or request.status.finished:
+                continue
+            new_tokens = []
+            for token_id in model_out.sampled_token_ids[request.request_id]:
+                request.append_output_token(token_id)
+                new_tokens.append(token_id)
+                if self._check_stop(request):
+                    break
+            logprobs = model_out.logprobs.get(request.request_id)
+            if request.status.finished:
+                self._remove(request)
+            outputs.append(CoreOutput(request, new_tokens, logprobs, request.status.finished))
+        return outputs
+
+    @staticmethod
+    def _check_stop(request: Request) -> bool:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return True
+        if request.max_output_tokens is not None and request.num_output_tokens >= request.max_output_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    # ---- ending requests ---------------------------------------------------------------
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside (abort, a stop string found in the text)."""
+        ended = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.finished:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.remote[request_id]
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._remove(request)
+            ended.append(request)
+        return ended
+
+    def _remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)

@@ -1,0 +1,183 @@
+"""Tokenizer, chat template and incremental detokenisation.
+
+Built on Hugging Face ``tokenizers``: from a ``tokenizer.json`` or from the vocabulary, merges
+and token types stored in a GGUF file's metadata (the way llama.cpp reads them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.decoders import DecodeStream
+
+# llama.cpp's pre-tokenizer regexes by `tokenizer.ggml.pre`; anything else gets GPT-2's.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"llama-bpe": [_LLAMA3_SPLIT], "llama3": [_LLAMA3_SPLIT], "smollm": [r"\p{N}", _GPT2_SPLIT]}
+
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+@dataclass
+class TokenizerInfo:
+    """What a model file says about its tokens besides the vocabulary."""
+
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    add_bos_token: bool = False
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ...
+
+
+class ModelTokenizer:
+    def __init__(self, tokenizer: Tokenizer, info: TokenizerInfo):
+        self.tokenizer = tokenizer
+        self.info = info
+        self.eos_token_ids = info.eos_token_ids
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._template = _compile_template(info.chat_template) if info.chat_template else None
+
+    # ---- construction ------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict) -> ModelTokenizer:
+        """From GGUF metadata (``tokenizer.ggml.*``); only byte-level BPE (``gpt2``) is supported."""
+        kind = fields.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE)")
+        tokens = fields["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        splits = _SPLITS.get(fields.get("tokenizer.ggml.pre", ""), [_GPT2_SPLIT])
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        tk.decoder = decoders.ByteLevel()
+        types = fields.get("tokenizer.ggml.token_type") or []
+        special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+        user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+        tk.add_special_tokens(special)
+        tk.add_tokens(user)
+
+        def token(key: str) -> int | None:
+            value = fields.get(f"tokenizer.ggml.{key}")
+            return int(value) if value is not None else None
+
+        bos, eos = token("bos_token_id"), token("eos_token_id")
+        eos_ids = tuple(t for t in (eos, token("eot_token_id"), token("eom_token_id")) if t is not None)
+        names = {"bos_token": bos, "eos_token": eos, "unk_token": token("unknown_token_id"),
+                 "pad_token": token("padding_token_id")}
+        info = TokenizerInfo(
+            bos_token_id=bos,
+            eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+            add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=fields.get("tokenizer.chat_template"),
+            special_tokens={k: tokens[v] for k, v in names.items() if v is not None},
+        )
+        return cls(tk, info)
+
+    @classmethod
+    def from_hf_dir(cls, path: Path, generation_eos: list[int] | None = None) -> ModelTokenizer:
+        """From ``tokenizer.json`` and ``tokenizer_config.json`` of a Hugging Face folder."""
+        tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None and (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        special = {k: v for k, v in special.items() if v}
+        bos = tk.token_to_id(special["bos_token"]) if "bos_token" in special else None
+        eos = [tk.token_to_id(special["eos_token"])] if "eos_token" in special else []
+        eos_ids = tuple(dict.fromkeys(t for t in eos + list(generation_eos or []) if t is not None))
+        info = TokenizerInfo(
+            bos_token_id=bos,
+            eos_token_ids=eos_ids,
+            add_bos_token=bool(cfg.get("add_bos_token", False)),
+            chat_template=template,
+            special_tokens=special,
+        )
+        return cls(tk, info)
+
+    # ---- use -----------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.info.add_bos_token and self.info.bos_token_id is not None:
+            if not ids or ids[0] != self.info.bos_token_id:
+                ids = [self.info.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tokenizer.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a single token stands for (for logprobs' ``bytes`` field)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8", "surrogatepass")
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if self._template is None:
+            raise ValueError("this model has no chat template; send a plain completion instead")
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.info.special_tokens, **kwargs
+        )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        # The rendered template already holds its special tokens (BOS included, when wanted).
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """A chat template in the sandboxed environment Hugging Face renders them with."""
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
+                                                                                ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Text from tokens as they come; a character split across tokens waits for its last byte."""
+
+    def __init__(self, tokenizer: ModelTokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer.tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tokenizer, token_id) or ""
