@@ -79,7 +79,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, config.seed)
         self._text: dict[str, _TextState] = {}
-        self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "prefix_queries": 0, "prefix_hits": 0}
+        self._counters = {"prompt_tokens": 0, "generation_tokens": 0}
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -174,10 +174,6 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        for item in sched.scheduled:
-            if item.start == 0 and item.request.num_preemptions == 0:
-                self._counters["prefix_queries"] += item.request.num_prompt_tokens
-                self._counters["prefix_hits"] += item.request.num_cached_tokens
         model_out = self.runner.execute(sched)
         return self._process(self.scheduler.update(sched, model_out))
 
@@ -243,7 +239,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=c["prompt_tokens"],
             generation_tokens=c["generation_tokens"],
-            prefix_cache_queries=c["prefix_queries"],
-            prefix_cache_hits=c["prefix_hits"],
+            prefix_cache_queries=self.scheduler.prefix_queries,
+            prefix_cache_hits=self.scheduler.prefix_hits,
             waiting_prompt_tokens=waiting_prompt,
         )

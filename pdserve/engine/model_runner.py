@@ -47,7 +47,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         # One-token requests first: the attention backend batches them together.
         items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
-        input_ids, positions, meta, last_rows = self._prepare(items)
+        input_ids, positions, meta, last_rows = self.prepare_inputs(items)
         hidden = self.model(input_ids, positions, self.layer_caches, meta, self.backend)
         sampling = [(item, row) for item, row in zip(items, last_rows) if item.sample]
         out = ModelOutput()
@@ -62,7 +62,8 @@ class ModelRunner:
                 out.logprobs[request.request_id] = [lp]
         return out
 
-    def _prepare(self, items: list[ScheduledRequest]):
+    def prepare_inputs(self, items: list[ScheduledRequest]):
+        """Flattened token ids, positions, attention metadata, and each item's last row."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []

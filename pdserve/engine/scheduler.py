@@ -76,6 +76,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV, blocks reserved
         self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission
+        self.prefix_hits = 0  # of those, tokens found
 
     # ---- admission -------------------------------------------------------------------
 
@@ -96,6 +98,8 @@ class Scheduler:
             request.num_computed_tokens = 0
             return None
         request.num_cached_tokens = request.num_computed_tokens
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += request.num_cached_tokens
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.remote[request.request_id] = request
@@ -155,6 +159,8 @@ class Scheduler:
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING and fresh:
                 request.num_cached_tokens = num_computed
+                self.prefix_queries += request.num_tokens
+                self.prefix_hits += num_computed
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -1,0 +1,141 @@
+"""The real scheduler, block pool and a tiny model: batching, chunking, preemption, abort, remote KV.
+
+Every engine made through ``make_engine`` is leak-checked when its test ends.
+"""
+
+from __future__ import annotations
+
+import random
+
+from pdserve.engine import SamplingParams
+from pdserve.engine.request import RequestStatus
+from tests.conftest import run_to_completion
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prompts(n: int, lo: int = 5, hi: int = 60, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def generate(engine, ps, params=GREEDY) -> dict[str, list[int]]:
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", p, params)
+    return run_to_completion(engine)
+
+
+def test_token_budget_chunks_prefill_and_mixes_decodes(make_engine):
+    engine = make_engine(max_num_batched_tokens=7)
+    engine.add_request("short", [5, 6], GREEDY)
+    engine.add_request("long", list(range(100, 130)), GREEDY)
+    seen_mixed = False
+    while engine.has_unfinished():
+        sched = engine.scheduler.schedule()
+        assert sched.num_tokens <= 7
+        sizes = {s.request.request_id: s.num_tokens for s in sched.scheduled}
+        if sizes.get("short") == 1 and sizes.get("long", 0) > 1:
+            seen_mixed = True
+        engine._process(engine.scheduler.update(sched, engine.runner.execute(sched)))
+    assert seen_mixed, "a decode never shared a step with a prefill chunk"
+
+
+def test_cap_on_running_requests(make_engine):
+    engine = make_engine(max_num_seqs=2)
+    for i, p in enumerate(prompts(5)):
+        engine.add_request(f"r{i}", p, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+        assert engine.scheduler.num_running <= 2
+
+
+def test_outputs_do_not_depend_on_batching_chunking_or_preemption(make_engine):
+    ps = prompts(6, seed=1)
+    alone = {}
+    for i, p in enumerate(ps):
+        alone.update({f"r{i}": generate(make_engine(), [p])["r0"]})
+    together = generate(make_engine(), ps)
+    chunked = generate(make_engine(max_num_batched_tokens=7), ps)
+    tight = make_engine(num_kv_blocks=12)  # 12 blocks of 16 tokens: forces preemptions
+    preempted = generate(tight, ps)
+    assert tight.scheduler.num_preemptions > 0
+    assert together == alone
+    assert chunked == alone
+    assert preempted == alone
+
+
+def test_prefix_cache_hits_and_salt(make_engine):
+    engine = make_engine()
+    shared = list(range(1000, 1040))  # 2.5 blocks
+    engine.add_request("a", shared + [1, 2, 3], GREEDY)
+    first = run_to_completion(engine)["a"]
+    engine.add_request("b", shared + [1, 2, 3], GREEDY)
+    engine.add_request("c", shared + [1, 2, 3], GREEDY, cache_salt="tenant-2")
+    second = run_to_completion(engine)
+    assert second["b"] == first and second["c"] == first
+    stats = engine.stats()
+    assert stats.prefix_cache_hits == 32  # "b" found two full blocks; "c" found none
+    assert engine.scheduler.requests == {}
+
+
+def test_abort_at_any_time(make_engine):
+    engine = make_engine(max_num_batched_tokens=8, max_num_seqs=2)
+    for i, p in enumerate(prompts(4, lo=20, hi=30)):
+        engine.add_request(f"r{i}", p, GREEDY)
+    engine.step()  # r0 mid-prefill, others waiting
+    outs = engine.abort_request(["r0", "r3"])
+    assert {o.request_id for o in outs} == {"r0", "r3"}
+    assert all(o.finished and o.finish_reason == "abort" for o in outs)
+    for _ in range(6):
+        engine.step()
+    engine.abort_request("r1")  # running, decoding
+    assert engine.abort_request("missing") == []
+    run_to_completion(engine)
+
+
+def test_remote_kv_resumes_with_prompt_counted_as_computed(make_engine):
+    """KV written from outside (here: copied from a colocated engine) gives the same tokens."""
+    prompt = list(range(2000, 2037))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prefill = make_engine()  # plays the prefill worker: computes the prompt, samples one token
+    prefill.add_request("x", prompt, params)
+    first = prefill.step()[0].new_token_ids
+    src = prefill.kv.block_ids("x")
+
+    decode = make_engine()
+    request = decode.make_request("x", prompt, params)
+    dst = decode.reserve_remote_request(request)
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV and len(dst) == len(src)
+    assert decode.step() == []  # nothing to run until the KV lands
+    decode.runner.kv_cache[:, :, dst] = prefill.runner.kv_cache[:, :, src]
+    prefill.abort_request("x")
+    decode.finish_remote_kv("x", ok=True, output_token_ids=first)
+    assert request.num_computed_tokens == len(prompt)
+    remote = first + run_to_completion(decode)["x"]
+
+    reference = make_engine()
+    reference.add_request("x", prompt, params)
+    assert remote == run_to_completion(reference)["x"]
+
+
+def test_remote_kv_failure_recomputes_locally(make_engine):
+    prompt = list(range(3000, 3021))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    decode = make_engine()
+    request = decode.make_request("x", prompt, params)
+    assert decode.reserve_remote_request(request) is not None
+    decode.finish_remote_kv("x", ok=False)
+    assert request.num_computed_tokens == 0
+    recomputed = run_to_completion(decode)["x"]
+    reference = make_engine()
+    reference.add_request("x", prompt, params)
+    assert recomputed == run_to_completion(reference)["x"]
+
+
+def test_reserve_refused_when_no_room(make_engine):
+    engine = make_engine(num_kv_blocks=2)
+    big = engine.make_request("big", list(range(100, 130)), GREEDY)  # 30 tokens + room: 2 blocks ok
+    assert engine.reserve_remote_request(big) is not None
+    other = engine.make_request("other", list(range(100, 110)), GREEDY)
+    assert engine.reserve_remote_request(other) is None
+    engine.abort_request("big")
