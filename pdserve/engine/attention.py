@@ -44,6 +44,8 @@ class AttentionMetadata:
     decode_block_ids: torch.Tensor  # [NB]
     decode_block_req: torch.Tensor  # [NB] index (0..num_decodes-1) of the request owning the block
     decode_block_mask: torch.Tensor  # [NB, block_size] True where the slot holds a context token
+    decode_starts: torch.Tensor  # [num_decodes + 1] request r owns flat blocks [starts[r], starts[r + 1])
+    decode_lens: torch.Tensor  # [num_decodes] context length of each, its query token included
     prefills: list[PrefillChunk]
 
 
@@ -90,54 +92,85 @@ class TorchPagedAttention:
     def decode(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """One query token per request, softmax across each request's blocks."""
         n, kvh, g, hd = q.shape[0], self.num_kv_heads, self.group, self.head_dim
+        if n == 1:
+            return self._decode_one(q, k_cache, v_cache, meta)
         req = meta.decode_block_req
-        kb = k_cache[meta.decode_block_ids]  # [NB, kvh, bs, hd]
-        vb = v_cache[meta.decode_block_ids]
-        qb = q.view(n, kvh, g, hd)[req]  # [NB, kvh, g, hd]
+        kb = k_cache.index_select(0, meta.decode_block_ids)  # [NB, kvh, bs, hd]
+        vb = v_cache.index_select(0, meta.decode_block_ids)
+        qb = q.view(n, kvh, g, hd).index_select(0, req)  # [NB, kvh, g, hd]
         scores = torch.matmul(qb, kb.transpose(-1, -2)).mul_(self.scale)  # [NB, kvh, g, bs]
         scores.masked_fill_(~meta.decode_block_mask[:, None, None, :], float("-inf"))
         block_max = scores.amax(-1)  # [NB, kvh, g]
         req_max = torch.full((n, kvh, g), float("-inf"), dtype=q.dtype)
         req_max.scatter_reduce_(0, req[:, None, None].expand_as(block_max), block_max, "amax")
-        probs = torch.exp_(scores.sub_(req_max[req].unsqueeze(-1)))
+        probs = torch.exp_(scores.sub_(req_max.index_select(0, req).unsqueeze(-1)))
         denom = torch.zeros(n, kvh, g, dtype=q.dtype).index_add_(0, req, probs.sum(-1))
         partial = torch.matmul(probs, vb)  # [NB, kvh, g, hd]
         out = torch.zeros(n, kvh, g, hd, dtype=q.dtype).index_add_(0, req, partial)
         return out.div_(denom.unsqueeze(-1)).view(n, kvh * g, hd)
 
+    def _decode_one(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """A single request: its g query heads per KV head play the part of g query positions."""
+        length = int(meta.decode_lens[0])
+        keys = _gather_heads(k_cache, meta.decode_block_ids, length)  # [kvh, L, hd]
+        values = _gather_heads(v_cache, meta.decode_block_ids, length)
+        out = F.scaled_dot_product_attention(
+            q.view(1, self.num_kv_heads, self.group, self.head_dim), keys[None], values[None], scale=self.scale
+        )
+        return out.view(1, self.num_heads, self.head_dim)
+
     def prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
-        """A chunk of queries over its context and itself, causally."""
+        """A chunk of queries over its context and itself, causally (4-D inputs: SDPA's flash path)."""
         if chunk.context_len == 0:
-            keys, values, mask, causal = k, v, None, True
+            keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
             total = chunk.context_len + chunk.query_len
-            keys = _gather(k_cache, chunk.block_ids, total)
-            values = _gather(v_cache, chunk.block_ids, total)
+            keys = _gather_heads(k_cache, chunk.block_ids, total)
+            values = _gather_heads(v_cache, chunk.block_ids, total)
             positions = torch.arange(total)
             mask = positions[None, :] <= (chunk.context_len + torch.arange(chunk.query_len))[:, None]
             causal = False
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=self.scale,
-            enable_gqa=self.group > 1,
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
+            scale=self.scale, enable_gqa=self.group > 1,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of a block table as ``[length, kv_heads, head_dim]``."""
-    blocks = cache[block_ids]  # [nb, kvh, bs, hd]
+class CpuPagedAttention(TorchPagedAttention):
+    """The torch path, with decode attention in a C kernel that reads the cache in place.
+
+    Falls back to the torch decode when the kernel cannot be built or the dtype is not float32.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        from pdserve.engine.cpu_kernels import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, load_kernels
+
+        fits = self.group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
+        self.kernels = load_kernels() if fits else None
+        self.max_block_size = MAX_BLOCK_SIZE
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if self.kernels is None or q.dtype != torch.float32 or k_cache.shape[2] > self.max_block_size:
+            return super().decode(q, k_cache, v_cache, meta)
+        from pdserve.engine.cpu_kernels import paged_decode
+
+        return paged_decode(self.kernels, q, k_cache, v_cache, meta.decode_block_ids, meta.decode_starts,
+                            meta.decode_lens, self.scale)
+
+
+def _gather_heads(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of a block table as ``[kv_heads, length, head_dim]``."""
+    blocks = cache.index_select(0, block_ids)  # [nb, kvh, bs, hd]
     nb, kvh, bs, hd = blocks.shape
-    return blocks.transpose(1, 2).reshape(nb * bs, kvh, hd)[:length]
+    return blocks.transpose(0, 1).reshape(kvh, nb * bs, hd)[:, :length]
 
 
 # Backends by name, imported lazily so that GPU kernels load only when chosen.
 _BACKENDS: dict[str, str] = {
     "torch": "pdserve.engine.attention:TorchPagedAttention",
+    "cpu": "pdserve.engine.attention:CpuPagedAttention",
 }
 
 
@@ -145,9 +178,11 @@ def register_backend(name: str, target: str) -> None:
     _BACKENDS[name] = target
 
 
-def get_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+def get_backend(
+    name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: str = "cpu"
+) -> AttentionBackend:
     if name == "auto":
-        name = "torch"
+        name = "cpu" if device == "cpu" else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
     module, _, attr = _BACKENDS[name].partition(":")

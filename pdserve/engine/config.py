@@ -146,11 +146,15 @@ class EngineConfig:
     kv_cache_memory_gb: float = doc(2.0, "memory budget for the KV cache, in GiB")
     num_kv_blocks: int | None = doc(None, "number of KV-cache blocks; overrides kv_cache_memory_gb")
     max_model_len: int | None = doc(None, "longest prompt + output in tokens (default: the model's context)")
-    max_num_batched_tokens: int = doc(1024, "token budget of one engine step (prefill chunks plus decodes)")
+    max_num_batched_tokens: int = doc(2048, "token budget of one engine step (prefill chunks plus decodes)")
     max_num_seqs: int = doc(64, "cap on requests running at once")
     enable_prefix_caching: bool = doc(True, "reuse the KV of full blocks shared with earlier prompts")
     seed: int = doc(0, "seed for random weights and for sampling of requests without their own seed")
     num_threads: int | None = doc(None, "torch intra-op threads (default: torch's choice, one per core)")
+    attention_backend: str = doc(
+        "auto", "attention implementation: torch (torch ops only), cpu (torch plus a C decode kernel built "
+        "on first use), auto (cpu on CPUs)"
+    )
     load_progress: bool = doc(True, "show a progress bar while the model loads")
 
     def __post_init__(self) -> None:

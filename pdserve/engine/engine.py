@@ -77,7 +77,9 @@ class LLMEngine:
             raise InvalidRequestError("kv_cache_memory_gb", f"{config.kv_cache_memory_gb} GiB holds no block")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, config.seed)
+        self.runner = ModelRunner(
+            self.loaded.model, num_blocks, config.block_size, config.seed, config.attention_backend
+        )
         self._text: dict[str, _TextState] = {}
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0}
 

@@ -118,7 +118,9 @@ def build_model(
                 p.data.normal_(1.0, 0.1)  # not all ones, so norm weights matter in comparisons
             else:
                 p.data.normal_(0.0, 0.02)
-        return model.to(dtype).eval()
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+        return _finish(model)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     if cfg.tie_word_embeddings:
@@ -128,7 +130,14 @@ def build_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rope.to(device)
-    return model.eval().requires_grad_(False)
+    return _finish(model)
+
+
+def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    model.eval().requires_grad_(False)
+    if next(model.parameters()).device.type == "cpu":
+        model.prepare_for_cpu(torch.get_num_threads())
+    return model
 
 
 # ---- GGUF ---------------------------------------------------------------------------------
@@ -182,8 +191,14 @@ def _gguf_config(fields: dict, tensors: dict) -> ModelConfig:
     return cfg
 
 
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> rotate-half halves)."""
+def interleave_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """q/k rows from Hugging Face's rotate-half order to interleaved pairs (GGUF's, and ours)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def halve_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse: interleaved pairs -> rotate-half order."""
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
@@ -194,9 +209,9 @@ def _gguf_to_ours(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
         out["lm_head.weight"] = raw["output.weight"]
     for i in range(cfg.num_layers):
         b, p = f"blk.{i}.", f"layers.{i}."
-        q = _unpermute(raw[b + "attn_q.weight"], cfg.num_heads)
-        k = _unpermute(raw[b + "attn_k.weight"], cfg.num_kv_heads)
-        out[p + "self_attn.qkv_proj.weight"] = torch.cat([q, k, raw[b + "attn_v.weight"]])
+        # GGUF already stores q/k rows in the interleaved RoPE order the model uses.
+        qkv = [raw[b + "attn_q.weight"], raw[b + "attn_k.weight"], raw[b + "attn_v.weight"]]
+        out[p + "self_attn.qkv_proj.weight"] = torch.cat(qkv)
         out[p + "self_attn.o_proj.weight"] = raw[b + "attn_output.weight"]
         out[p + "mlp.gate_up_proj.weight"] = torch.cat([raw[b + "ffn_gate.weight"], raw[b + "ffn_up.weight"]])
         out[p + "mlp.down_proj.weight"] = raw[b + "ffn_down.weight"]
@@ -241,7 +256,9 @@ def hf_to_ours(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        out[a + "qkv_proj.weight"] = torch.cat([strip[a + n + "_proj.weight"] for n in "qkv"])
+        q = interleave_rope_rows(strip[a + "q_proj.weight"], cfg.num_heads)
+        k = interleave_rope_rows(strip[a + "k_proj.weight"], cfg.num_kv_heads)
+        out[a + "qkv_proj.weight"] = torch.cat([q, k, strip[a + "v_proj.weight"]])
         out[a + "o_proj.weight"] = strip[a + "o_proj.weight"]
         out[m + "gate_up_proj.weight"] = torch.cat([strip[m + "gate_proj.weight"], strip[m + "up_proj.weight"]])
         out[m + "down_proj.weight"] = strip[m + "down_proj.weight"]
@@ -258,8 +275,9 @@ def ours_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     for i in range(cfg.num_layers):
         p, h = f"layers.{i}.", f"model.layers.{i}."
         qw, kw, vw = state[p + "self_attn.qkv_proj.weight"].split([q, kv, kv])
-        for n, w in zip("qkv", (qw, kw, vw)):
-            out[h + f"self_attn.{n}_proj.weight"] = w
+        out[h + "self_attn.q_proj.weight"] = halve_rope_rows(qw, cfg.num_heads)
+        out[h + "self_attn.k_proj.weight"] = halve_rope_rows(kw, cfg.num_kv_heads)
+        out[h + "self_attn.v_proj.weight"] = vw
         out[h + "self_attn.o_proj.weight"] = state[p + "self_attn.o_proj.weight"]
         gate, up = state[p + "mlp.gate_up_proj.weight"].chunk(2)
         out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up

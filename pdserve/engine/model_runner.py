@@ -40,7 +40,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, self.dtype, self.device)
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
-        self.backend = get_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.backend = get_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   self.device.type)
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()
@@ -73,6 +74,8 @@ class ModelRunner:
         dec_req: list[int] = []
         dec_block_index: list[int] = []
         dec_block_ctx: list[int] = []
+        dec_starts: list[int] = [0]
+        dec_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         num_decodes = 0
         for item in items:
@@ -90,6 +93,8 @@ class ModelRunner:
                 dec_req.extend([num_decodes] * nblocks)
                 dec_block_index.extend(range(nblocks))
                 dec_block_ctx.extend([ctx] * nblocks)
+                dec_starts.append(dec_starts[-1] + nblocks)
+                dec_lens.append(ctx)
                 num_decodes += 1
             else:
                 used = torch.tensor(table[: cdiv(start + n, bs)], dtype=torch.long)
@@ -104,6 +109,8 @@ class ModelRunner:
             decode_block_ids=torch.tensor(dec_blocks, dtype=torch.long),
             decode_block_req=torch.tensor(dec_req, dtype=torch.long),
             decode_block_mask=(index[:, None] * bs + torch.arange(bs)[None, :]) < ctx[:, None],
+            decode_starts=torch.tensor(dec_starts, dtype=torch.long),
+            decode_lens=torch.tensor(dec_lens, dtype=torch.long),
             prefills=prefills,
         )
         return torch.tensor(ids, dtype=torch.long), positions, meta, last_rows

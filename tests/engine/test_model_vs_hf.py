@@ -56,12 +56,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_logits_match_transformers(shape):
+def test_logits_match_transformers(shape, backend):
     cfg = SHAPES[shape]
     ours = build_model(cfg, None, seed=1)
     ref = hf_model(cfg, ours)
-    runner = ModelRunner(ours, num_blocks=32, block_size=4)
+    runner = ModelRunner(ours, num_blocks=32, block_size=4, attention_backend=backend)
     scheduler = Scheduler(KVCacheManager(32, 4), max_num_batched_tokens=9, max_num_seqs=4)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 13)]
@@ -89,4 +90,4 @@ def test_logits_match_transformers(shape):
                 row += item.num_tokens
             scheduler.update(sched, out)
     assert all(r.num_output_tokens == 21 for r in requests)
-    print(f"{shape}: worst relative logit error {worst:.2e}")
+    print(f"{shape}, {backend} attention: worst relative logit error {worst:.2e}")

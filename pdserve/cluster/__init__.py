@@ -1,0 +1,1 @@
+"""The control plane: the pdserve CLI, configuration, launching pools, autoscaling, state store."""

@@ -1,0 +1,95 @@
+"""The C kernels of ``csrc/``: compiled once per machine on first use, loaded through ctypes.
+
+The shared object is cached under ``$PDSERVE_CACHE_DIR`` (default ``~/.cache/pdserve``), keyed
+by the source, the compiler flags and the CPU's vector extensions. No compiler, or a failed
+build, means ``load_kernels()`` returns None and callers use their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+# The kernel's fixed-size scratch (MAX_G, MAX_D, MAX_BS in the source).
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 64
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    chosen = []
+    if "avx2" in flags and "fma" in flags:
+        chosen += ["-mavx2", "-mfma"]
+    if "avx512f" in flags:
+        chosen += ["-mavx512f"]
+    return chosen
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
+
+
+@cache
+def load_kernels() -> ctypes.CDLL | None:
+    """The compiled kernels, or None when they cannot be built here."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None or platform.system() != "Linux":
+        log.info("no C compiler: CPU attention uses the torch path")
+        return None
+    # -ffast-math lets the compiler vectorise the softmax's expf (glibc's libmvec) and the dot
+    # products' reductions; the kernel keeps every value finite, as fast-math assumes.
+    flags = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", *_cpu_flags()]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_attention-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            proc = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lmvec", "-lm"],
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                log.warning("building the CPU attention kernel failed; using the torch path:\n%s", proc.stderr)
+                return None
+            os.replace(built, target)  # atomic: concurrent workers never load a half-written file
+    lib = ctypes.CDLL(str(target))
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.paged_decode_f32.argtypes = [ptr] * 7 + [i64] * 5 + [ctypes.c_float]
+    lib.paged_decode_f32.restype = None
+    return lib
+
+
+def paged_decode(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention of ``n`` one-token requests (see csrc/paged_attention.c for shapes)."""
+    q = q.contiguous()
+    n, h, d = q.shape
+    _, kvh, bs, _ = k_cache.shape
+    out = torch.empty_like(q)
+    lib.paged_decode_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), starts.data_ptr(),
+        lens.data_ptr(), out.data_ptr(), n, h, kvh, d, bs, scale,
+    )
+    return out
