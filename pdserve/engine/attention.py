@@ -78,8 +78,11 @@ class TorchPagedAttention:
         self.head_dim = head_dim
         self.scale = 1.0 / math.sqrt(head_dim)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         write_kv(k, v, k_cache, v_cache, meta)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        self.write(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         d = meta.num_decodes
         if d:
@@ -99,7 +102,9 @@ class TorchPagedAttention:
         vb = v_cache.index_select(0, meta.decode_block_ids)
         qb = q.view(n, kvh, g, hd).index_select(0, req)  # [NB, kvh, g, hd]
         scores = torch.matmul(qb, kb.transpose(-1, -2)).mul_(self.scale)  # [NB, kvh, g, bs]
-        scores.masked_fill_(~meta.decode_block_mask[:, None, None, :], float("-inf"))
+        outside = ~meta.decode_block_mask
+        scores.masked_fill_(outside[:, None, None, :], float("-inf"))
+        vb.masked_fill_(outside[:, None, :, None], 0.0)  # unwritten slots may hold NaN: 0 * NaN = NaN
         block_max = scores.amax(-1)  # [NB, kvh, g]
         req_max = torch.full((n, kvh, g), float("-inf"), dtype=q.dtype)
         req_max.scatter_reduce_(0, req[:, None, None].expand_as(block_max), block_max, "amax")
@@ -150,6 +155,14 @@ class CpuPagedAttention(TorchPagedAttention):
         fits = self.group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
         self.kernels = load_kernels() if fits else None
         self.max_block_size = MAX_BLOCK_SIZE
+
+    def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        from pdserve.engine.cpu_kernels import rows_of_heads, usable, write_kv
+
+        if self.kernels is not None and rows_of_heads(k) and rows_of_heads(v) and usable(k_cache, v_cache):
+            write_kv(self.kernels, k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+        else:
+            super().write(k, v, k_cache, v_cache, meta)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         if self.kernels is None or q.dtype != torch.float32 or k_cache.shape[2] > self.max_block_size:

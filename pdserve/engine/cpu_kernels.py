@@ -1,4 +1,4 @@
-"""The C kernels of ``csrc/``: compiled once per machine on first use, loaded through ctypes.
+"""The C kernels of ``csrc/cpu_kernels.c``: compiled once per machine on first use, loaded through ctypes.
 
 The shared object is cached under ``$PDSERVE_CACHE_DIR`` (default ``~/.cache/pdserve``), keyed
 by the source, the compiler flags and the CPU's vector extensions. No compiler, or a failed
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 # The kernel's fixed-size scratch (MAX_G, MAX_D, MAX_BS in the source).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 64
 
@@ -55,7 +55,7 @@ def load_kernels() -> ctypes.CDLL | None:
     # products' reductions; the kernel keeps every value finite, as fast-math assumes.
     flags = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", *_cpu_flags()]
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -68,8 +68,16 @@ def load_kernels() -> ctypes.CDLL | None:
             os.replace(built, target)  # atomic: concurrent workers never load a half-written file
     lib = ctypes.CDLL(str(target))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.paged_decode_f32.argtypes = [ptr] * 7 + [i64] * 5 + [ctypes.c_float]
-    lib.paged_decode_f32.restype = None
+    f32 = ctypes.c_float
+    signatures = {
+        "paged_decode_f32": [ptr] * 7 + [i64] * 5 + [f32],
+        "rms_norm_f32": [ptr] * 5 + [i64] * 2 + [f32],
+        "silu_mul_f32": [ptr] * 2 + [i64] * 2,
+        "write_kv_f32": [ptr] * 6 + [i64] * 6,
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
     return lib
 
 
@@ -93,3 +101,40 @@ def paged_decode(
         lens.data_ptr(), out.data_ptr(), n, h, kvh, d, bs, scale,
     )
     return out
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can take these tensors as they are (float32, contiguous, on CPU)."""
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """``(norm(x + residual), x + residual)``, or ``norm(x)`` when there is no residual."""
+    rows, dim = x.shape
+    out = torch.empty_like(x)
+    if residual is None:
+        lib.rms_norm_f32(x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+        return out
+    new_residual = torch.empty_like(x)
+    lib.rms_norm_f32(x.data_ptr(), residual.data_ptr(), new_residual.data_ptr(), weight.data_ptr(),
+                     out.data_ptr(), rows, dim, eps)
+    return out, new_residual
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    rows, two_n = gate_up.shape
+    out = torch.empty(rows, two_n // 2, dtype=gate_up.dtype)
+    lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, two_n // 2)
+    return out
+
+
+def rows_of_heads(x: torch.Tensor) -> bool:
+    """``[T, heads, D]`` float32 with each row's heads contiguous (rows may be apart)."""
+    return x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def write_kv(lib, k, v, k_cache, v_cache, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Store ``k`` and ``v`` (``[T, kv_heads, D]``, see ``rows_of_heads``) in their slots."""
+    t, kvh, d = k.shape
+    lib.write_kv_f32(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(),
+                     offsets.data_ptr(), t, kvh, k_cache.shape[2], d, k.stride(0), v.stride(0))

@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from pdserve.configs import ConfigError
 from pdserve.engine.config import DEFAULT_MODEL, PRESETS, ModelConfig, RopeScaling
+from pdserve.engine.gguf_file import GGUFFile
 from pdserve.engine.model import LlamaForCausalLM
 from pdserve.engine.tokenizer import ModelTokenizer
 
@@ -142,24 +142,16 @@ def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
 
 # ---- GGUF ---------------------------------------------------------------------------------
 
-_GGUF_FIELDS = ("general.", "llama.", "tokenizer.")
-
-
 def _read_gguf(path: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor], ModelTokenizer]:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(str(path))
-    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith(_GGUF_FIELDS)}
+    gguf = GGUFFile(path)
+    fields = gguf.fields
     arch = fields.get("general.architecture")
     if arch != "llama":
         raise ConfigError(f"model: {path} has architecture {arch!r}; only 'llama' is supported")
-    tensors = {t.name: t for t in reader.tensors}
-    cfg = _gguf_config(fields, tensors)
+    cfg = _gguf_config(fields, gguf.tensors)
     raw = {}
-    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False):
-        array = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        raw[t.name] = torch.from_numpy(array if array.flags.writeable else array.copy())
+    for name in tqdm(gguf.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False):
+        raw[name] = torch.from_numpy(gguf.dequantize(name))
     return cfg, _gguf_to_ours(raw, cfg), ModelTokenizer.from_gguf_fields(fields)
 
 
@@ -289,8 +281,4 @@ def ours_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
 
 def _default_tokenizer() -> ModelTokenizer:
     """The default model's tokenizer, read from its GGUF metadata only (no tensors)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(resolve_model(DEFAULT_MODEL).path))
-    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    return ModelTokenizer.from_gguf_fields(fields)
+    return ModelTokenizer.from_gguf_fields(GGUFFile(resolve_model(DEFAULT_MODEL).path).fields)

@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.config import ModelConfig, RopeScaling
+from pdserve.engine.cpu_kernels import usable
 
 
 class Linear(nn.Module):
@@ -59,9 +61,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernels = None  # the C kernels, set by LlamaForCausalLM.prepare_for_cpu
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise ``x`` (after adding ``residual``, returned as the new residual)."""
+        if self.kernels is not None and usable(x, self.weight, *([] if residual is None else [residual])):
+            return cpu_kernels.rms_norm(self.kernels, x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x
@@ -144,9 +149,13 @@ class MLP(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.kernels = None  # the C kernels, set by LlamaForCausalLM.prepare_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and usable(gate_up):
+            return self.down_proj(cpu_kernels.silu_mul(self.kernels, gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -176,7 +185,9 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An explicit (uninitialised) weight: the default init costs seconds on the meta device.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
@@ -184,10 +195,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def prepare_for_cpu(self, threads: int) -> None:
-        """Lay the projections out for CPU matmuls (see ``Linear``); call once after loading."""
+        """Lay the projections out for CPU matmuls (see ``Linear``) and use the C kernels for
+        norms and SwiGLU where they can be built; call once after loading."""
+        kernels = cpu_kernels.load_kernels() if self.embed_tokens.weight.dtype == torch.float32 else None
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare_for_cpu(threads)
+            elif isinstance(module, (RMSNorm, MLP)):
+                module.kernels = kernels
         if self.config.tie_word_embeddings:
             self.embed_tokens.weight = self.lm_head.weight
 

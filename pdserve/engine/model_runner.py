@@ -18,10 +18,10 @@ from pdserve.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOut
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device="cpu") -> torch.Tensor:
-    # Zeroed: a masked-out slot still takes part in ``probs @ V`` (as 0 * value), so it must
-    # never hold NaN or inf.
+    # Not zeroed: zeroing gigabytes costs seconds at start-up (every page faulted in), and no
+    # reader trusts a slot it did not write (the torch decode path zeroes the values it masks).
     shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 class ModelRunner:

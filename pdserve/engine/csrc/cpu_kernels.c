@@ -1,9 +1,12 @@
-/* Paged decode attention for CPUs, float32: one query token per request.
+/* CPU kernels (float32) for the hot path of small batches, where torch spends more time
+ * dispatching than computing. Called through ctypes by pdserve/engine/cpu_kernels.py; OpenMP
+ * threads come from the runtime torch already loaded.
+ *
+ * Paged decode attention: one query token per request.
  *
  * Reads each request's K and V blocks once, straight from the cache, with an online softmax
  * per block (the torch path has to gather the blocks into a new tensor first, then read that
- * copy: three passes over the KV instead of one). Called through ctypes by
- * pdserve/engine/cpu_kernels.py; OpenMP threads come from the runtime torch already loaded.
+ * copy: three passes over the KV instead of one).
  *
  *   q        [n, H, D]                  query of each request (after RoPE)
  *   k, v     [num_blocks, KVH, BS, D]   the layer's cache
@@ -78,6 +81,65 @@ void paged_decode_f32(const float *q, const float *k, const float *v, const int6
                 const float inv = 1.0f / l[g];
                 for (int64_t d = 0; d < D; d++) oh[g * D + d] = acc[g][d] * inv;
             }
+        }
+    }
+}
+
+/* h = x (+ residual); residual_out = h; out = h / rms(h) * w, row by row.
+ * residual may be NULL (first layer: no residual yet); residual_out may alias residual. */
+void rms_norm_f32(const float *x, const float *residual, float *residual_out, const float *w, float *out,
+                  int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows > 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * dim;
+        float *outr = out + r * dim;
+        float *hr = residual_out ? residual_out + r * dim : outr;
+        float ss = 0.0f;
+        if (residual) {
+            const float *rr = residual + r * dim;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < dim; d++) {
+                const float h = xr[d] + rr[d];
+                hr[d] = h;
+                ss += h * h;
+            }
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < dim; d++) {
+                hr[d] = xr[d];
+                ss += xr[d] * xr[d];
+            }
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) outr[d] = hr[d] * inv * w[d];
+    }
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]: SwiGLU over a fused [rows, 2n] projection. */
+void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t n) {
+#pragma omp parallel for schedule(static) if (rows > 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * n;
+        const float *u = g + n;
+        float *o = out + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Store the step's keys and values: token t goes to block blocks[t], slot offsets[t].
+ * k, v: [T, KVH, D] with rows k_stride and v_stride floats apart (views into the fused qkv
+ * projection); caches: [num_blocks, KVH, BS, D]. */
+void write_kv_f32(const float *k, const float *v, float *k_cache, float *v_cache, const int64_t *blocks,
+                  const int64_t *offsets, int64_t T, int64_t KVH, int64_t BS, int64_t D, int64_t k_stride,
+                  int64_t v_stride) {
+#pragma omp parallel for schedule(static) if (T > 64)
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t h = 0; h < KVH; h++) {
+            const int64_t dst = ((blocks[t] * KVH + h) * BS + offsets[t]) * D;
+            memcpy(k_cache + dst, k + t * k_stride + h * D, sizeof(float) * D);
+            memcpy(v_cache + dst, v + t * v_stride + h * D, sizeof(float) * D);
         }
     }
 }
