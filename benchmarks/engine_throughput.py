@@ -43,20 +43,22 @@ def workload(args) -> list[tuple[list[int], int]]:
 def ceilings(_args) -> dict:
     import torch
 
-    def best(fn, reps):
+    # Medians, not bests: this machine is shared, and its best moments would set a ceiling the
+    # engines, measured over minutes, cannot be held to.
+    def median_time(fn, reps):
         fn()
         times = []
         for _ in range(reps):
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
-        return min(times)
+        return sorted(times)[len(times) // 2]
 
     n = 4096
     a, b = torch.randn(n, n), torch.randn(n, n)
-    flops = 2 * n**3 / best(lambda: torch.mm(a, b), 5)
+    flops = 2 * n**3 / median_time(lambda: torch.mm(a, b), 7)
     x = torch.ones(512 * 2**20 // 4)  # 512 MiB
-    bandwidth = x.numel() * 4 / best(lambda: x.sum(), 10)
+    bandwidth = x.numel() * 4 / median_time(lambda: x.sum(), 15)
     return {"matmul_gflops": flops / 1e9, "read_gbps": bandwidth / 1e9, "threads": torch.get_num_threads()}
 
 

@@ -1,8 +1,10 @@
 """Paged attention over the KV cache: metadata, the torch (CPU) backend, and the registry.
 
-Cache layout, per layer: ``k_cache`` and ``v_cache`` of shape
-``[num_blocks, num_kv_heads, block_size, head_dim]`` (head-major inside a block, so one
-block of one head is a contiguous ``[block_size, head_dim]`` matrix).
+Cache layout, per layer: ``v_cache`` is ``[num_blocks, num_kv_heads, block_size, head_dim]``
+(head-major inside a block, so one block of one head is a contiguous ``[block_size, head_dim]``
+matrix) and ``k_cache`` the same with each block transposed, ``[num_blocks, num_kv_heads,
+head_dim, block_size]``: a query's scores against a key block are then a plain vector-matrix
+product (``q @ K^T`` without a transpose), which the C decode kernel vectorises over slots.
 
 A step's tokens are flattened, decode-like requests (one query token) first:
 
@@ -64,7 +66,7 @@ class AttentionBackend(Protocol):
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
     """Store the step's new keys and values in their slots."""
-    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+    k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
 
 
@@ -98,10 +100,10 @@ class TorchPagedAttention:
         if n == 1:
             return self._decode_one(q, k_cache, v_cache, meta)
         req = meta.decode_block_req
-        kb = k_cache.index_select(0, meta.decode_block_ids)  # [NB, kvh, bs, hd]
-        vb = v_cache.index_select(0, meta.decode_block_ids)
+        kb = k_cache.index_select(0, meta.decode_block_ids)  # [NB, kvh, hd, bs]
+        vb = v_cache.index_select(0, meta.decode_block_ids)  # [NB, kvh, bs, hd]
         qb = q.view(n, kvh, g, hd).index_select(0, req)  # [NB, kvh, g, hd]
-        scores = torch.matmul(qb, kb.transpose(-1, -2)).mul_(self.scale)  # [NB, kvh, g, bs]
+        scores = torch.matmul(qb, kb).mul_(self.scale)  # [NB, kvh, g, bs]
         outside = ~meta.decode_block_mask
         scores.masked_fill_(outside[:, None, None, :], float("-inf"))
         vb.masked_fill_(outside[:, None, :, None], 0.0)  # unwritten slots may hold NaN: 0 * NaN = NaN
@@ -117,8 +119,8 @@ class TorchPagedAttention:
     def _decode_one(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """A single request: its g query heads per KV head play the part of g query positions."""
         length = int(meta.decode_lens[0])
-        keys = _gather_heads(k_cache, meta.decode_block_ids, length)  # [kvh, L, hd]
-        values = _gather_heads(v_cache, meta.decode_block_ids, length)
+        keys = _gather_keys(k_cache, meta.decode_block_ids, length)  # [kvh, L, hd]
+        values = _gather_values(v_cache, meta.decode_block_ids, length)
         out = F.scaled_dot_product_attention(
             q.view(1, self.num_kv_heads, self.group, self.head_dim), keys[None], values[None], scale=self.scale
         )
@@ -130,8 +132,8 @@ class TorchPagedAttention:
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
             total = chunk.context_len + chunk.query_len
-            keys = _gather_heads(k_cache, chunk.block_ids, total)
-            values = _gather_heads(v_cache, chunk.block_ids, total)
+            keys = _gather_keys(k_cache, chunk.block_ids, total)
+            values = _gather_values(v_cache, chunk.block_ids, total)
             positions = torch.arange(total)
             mask = positions[None, :] <= (chunk.context_len + torch.arange(chunk.query_len))[:, None]
             causal = False
@@ -150,9 +152,9 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
-        from pdserve.engine.cpu_kernels import MAX_BLOCK_SIZE, MAX_GROUP, MAX_HEAD_DIM, load_kernels
+        from pdserve.engine.cpu_kernels import MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_HEADS, load_kernels
 
-        fits = self.group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
+        fits = num_heads <= MAX_HEADS and head_dim <= MAX_HEAD_DIM
         self.kernels = load_kernels() if fits else None
         self.max_block_size = MAX_BLOCK_SIZE
 
@@ -165,7 +167,7 @@ class CpuPagedAttention(TorchPagedAttention):
             super().write(k, v, k_cache, v_cache, meta)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if self.kernels is None or q.dtype != torch.float32 or k_cache.shape[2] > self.max_block_size:
+        if self.kernels is None or q.dtype != torch.float32 or v_cache.shape[2] > self.max_block_size:
             return super().decode(q, k_cache, v_cache, meta)
         from pdserve.engine.cpu_kernels import paged_decode
 
@@ -173,11 +175,18 @@ class CpuPagedAttention(TorchPagedAttention):
                             meta.decode_lens, self.scale)
 
 
-def _gather_heads(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of a block table as ``[kv_heads, length, head_dim]``."""
-    blocks = cache.index_select(0, block_ids)  # [nb, kvh, bs, hd]
+def _gather_values(v_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` values of a block table as ``[kv_heads, length, head_dim]``."""
+    blocks = v_cache.index_select(0, block_ids)  # [nb, kvh, bs, hd]
     nb, kvh, bs, hd = blocks.shape
     return blocks.transpose(0, 1).reshape(kvh, nb * bs, hd)[:, :length]
+
+
+def _gather_keys(k_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` keys of a block table as ``[kv_heads, length, head_dim]``."""
+    blocks = k_cache.index_select(0, block_ids)  # [nb, kvh, hd, bs]
+    nb, kvh, hd, bs = blocks.shape
+    return blocks.permute(1, 0, 3, 2).reshape(kvh, nb * bs, hd)[:, :length]
 
 
 # Backends by name, imported lazily so that GPU kernels load only when chosen.

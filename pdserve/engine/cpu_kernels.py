@@ -22,8 +22,8 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-# The kernel's fixed-size scratch (MAX_G, MAX_D, MAX_BS in the source).
-MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 64
+# The kernel's fixed-size scratch (MAX_H, MAX_D, MAX_BS in the source).
+MAX_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 128, 256, 64
 
 
 def _cpu_flags() -> list[str]:
@@ -94,7 +94,7 @@ def paged_decode(
     """Decode attention of ``n`` one-token requests (see csrc/paged_attention.c for shapes)."""
     q = q.contiguous()
     n, h, d = q.shape
-    _, kvh, bs, _ = k_cache.shape
+    _, kvh, bs, _ = v_cache.shape
     out = torch.empty_like(q)
     lib.paged_decode_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), starts.data_ptr(),
@@ -137,4 +137,23 @@ def write_kv(lib, k, v, k_cache, v_cache, blocks: torch.Tensor, offsets: torch.T
     """Store ``k`` and ``v`` (``[T, kv_heads, D]``, see ``rows_of_heads``) in their slots."""
     t, kvh, d = k.shape
     lib.write_kv_f32(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(),
-                     offsets.data_ptr(), t, kvh, k_cache.shape[2], d, k.stride(0), v.stride(0))
+                     offsets.data_ptr(), t, kvh, v_cache.shape[2], d, k.stride(0), v.stride(0))
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc reuse freed blocks instead of returning them to the OS.
+
+    Activations of a few MB are allocated and freed every layer. By default glibc serves them
+    with fresh ``mmap`` pages that fault in (zeroed by the kernel) on every use: measured here,
+    that made a 512-row RMSNorm 15x slower and a prefill step 20-30% slower. Raising the mmap
+    and trim thresholds keeps those blocks in the heap. Process-wide; a no-op off glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    ok = libc.mallopt(m_mmap_threshold, 1 << 30) or libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 62 if ctypes.sizeof(ctypes.c_long) == 8 else 1 << 30)
+    libc.mallopt(m_top_pad, 64 << 20)
+    return bool(ok)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_kernels import keep_freed_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.loader import LoadedModel, load_model
 from pdserve.engine.model_runner import ModelRunner
@@ -61,6 +62,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        keep_freed_memory()
         dtype = _DTYPES[config.dtype]
         self.loaded = loaded or load_model(
             config.model, dtype=dtype, max_positions=config.max_model_len, seed=config.seed,

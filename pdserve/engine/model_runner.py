@@ -1,8 +1,9 @@
 """Runs a scheduled step through the model: inputs from the schedule, KV cache, sampling.
 
 ``execute(SchedulerOutput) -> ModelOutput``. The KV cache is one tensor
-``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]``; layer ``l`` reads and
-writes ``cache[l, 0]`` (keys) and ``cache[l, 1]`` (values).
+``[num_layers, 2, num_blocks, num_kv_heads, block_size * head_dim]``; layer ``l`` reads and
+writes ``cache[l, 0]`` (keys, each block transposed: ``[head_dim, block_size]``) and
+``cache[l, 1]`` (values, ``[block_size, head_dim]``); see attention.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pdserve.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOut
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device="cpu") -> torch.Tensor:
     # Not zeroed: zeroing gigabytes costs seconds at start-up (every page faulted in), and no
     # reader trusts a slot it did not write (the torch decode path zeroes the values it masks).
-    shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+    shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size * cfg.head_dim)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -39,7 +40,11 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, self.dtype, self.device)
-        self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        nb, kvh, hd = num_blocks, cfg.num_kv_heads, cfg.head_dim
+        self.layer_caches = [
+            (self.kv_cache[i, 0].view(nb, kvh, hd, block_size), self.kv_cache[i, 1].view(nb, kvh, block_size, hd))
+            for i in range(cfg.num_layers)
+        ]
         self.backend = get_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    self.device.type)
         self.sampler = Sampler(seed)

@@ -2,14 +2,17 @@
  * dispatching than computing. Called through ctypes by pdserve/engine/cpu_kernels.py; OpenMP
  * threads come from the runtime torch already loaded.
  *
- * Paged decode attention: one query token per request.
+ * Cache layout, per layer and KV head: a key block is stored transposed, [D][BS] (so one
+ * query's scores against a block are D broadcast-FMAs over BS lanes, with no horizontal
+ * sums), a value block as [BS][D].
  *
- * Reads each request's K and V blocks once, straight from the cache, with an online softmax
- * per block (the torch path has to gather the blocks into a new tensor first, then read that
- * copy: three passes over the KV instead of one).
+ * Paged decode attention: one query token per request. Reads each request's K and V blocks
+ * once, straight from the cache, with an online softmax per block (the torch path gathers the
+ * blocks into a new tensor first, then reads that copy: three passes over the KV instead of one).
  *
  *   q        [n, H, D]                  query of each request (after RoPE)
- *   k, v     [num_blocks, KVH, BS, D]   the layer's cache
+ *   k        [num_blocks, KVH, D, BS]   the layer's keys (transposed blocks)
+ *   v        [num_blocks, KVH, BS, D]   the layer's values
  *   blocks   [sum of blocks per request] each request's block ids, request after request
  *   starts   [n + 1]                    request r owns blocks[starts[r] .. starts[r + 1])
  *   lens     [n]                        context length of request r (its query included)
@@ -18,70 +21,100 @@
  */
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_G 64
+#define MAX_H 128
 #define MAX_D 256
 #define MAX_BS 64
+
+/* s[g][t] = q[g] . k[:, t] for every slot t of one block (kt is [D][BS]). */
+static inline void block_scores(const float *kt, const float *q, float s[][MAX_BS], int64_t G, int64_t D,
+                                const int64_t BS) {
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t t = 0; t < BS; t++) s[g][t] = 0.0f;
+    for (int64_t d = 0; d < D; d++) {
+        const float *row = kt + d * BS;
+        for (int64_t g = 0; g < G; g++) {
+            const float qd = q[g * D + d];
+#pragma omp simd
+            for (int64_t t = 0; t < BS; t++) s[g][t] += qd * row[t];
+        }
+    }
+}
+
+/* Request r, KV heads [h0, h1) (query heads [h0 * G, h1 * G)), over all its blocks. */
+static void attend(const float *q, const float *k, const float *v, const int64_t *blocks, int64_t begin,
+                   int64_t end, int64_t len, float *out, int64_t h0, int64_t h1, int64_t G, int64_t KVH,
+                   int64_t D, int64_t BS, float scale) {
+    float acc[MAX_H][MAX_D];
+    float m[MAX_H], l[MAX_H], s[MAX_H][MAX_BS], p[MAX_BS];
+    const int64_t heads = (h1 - h0) * G;
+    const float *qr = q + h0 * G * D;
+    for (int64_t j = 0; j < heads; j++) {
+        m[j] = -FLT_MAX; /* finite: built with -ffast-math, which assumes no infinities */
+        l[j] = 0.0f;
+        memset(acc[j], 0, sizeof(float) * D);
+    }
+    for (int64_t i = begin; i < end; i++) {
+        const int64_t first = (i - begin) * BS;
+        const int64_t valid = len - first < BS ? len - first : BS;
+        for (int64_t h = h0; h < h1; h++) {
+            const float *kt = k + (blocks[i] * KVH + h) * D * BS;
+            float(*sh)[MAX_BS] = s + (h - h0) * G;
+            if (BS == 16)
+                block_scores(kt, qr + (h - h0) * G * D, sh, G, D, 16); /* constant trip count */
+            else
+                block_scores(kt, qr + (h - h0) * G * D, sh, G, D, BS);
+        }
+        for (int64_t j = 0; j < heads; j++) {
+            const float *vb = v + (blocks[i] * KVH + h0 + j / G) * BS * D;
+            float block_max = -FLT_MAX;
+            for (int64_t t = 0; t < valid; t++) {
+                s[j][t] *= scale;
+                block_max = s[j][t] > block_max ? s[j][t] : block_max;
+            }
+            /* Rescale what was accumulated when this block raises the running max. */
+            if (block_max > m[j]) {
+                const float c = expf(m[j] - block_max);
+                l[j] *= c;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) acc[j][d] *= c;
+                m[j] = block_max;
+            }
+#pragma omp simd
+            for (int64_t t = 0; t < valid; t++) p[t] = expf(s[j][t] - m[j]);
+            for (int64_t t = 0; t < valid; t++) {
+                const float *vt = vb + t * D;
+                l[j] += p[t];
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) acc[j][d] += p[t] * vt[d];
+            }
+        }
+    }
+    float *o = out + h0 * G * D;
+    for (int64_t j = 0; j < heads; j++) {
+        const float inv = 1.0f / l[j];
+        for (int64_t d = 0; d < D; d++) o[j * D + d] = acc[j][d] * inv;
+    }
+}
 
 void paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *blocks,
                       const int64_t *starts, const int64_t *lens, float *out, int64_t n, int64_t H,
                       int64_t KVH, int64_t D, int64_t BS, float scale) {
     const int64_t G = H / KVH;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int64_t r = 0; r < n; r++) {
-        for (int64_t h = 0; h < KVH; h++) {
-            float acc[MAX_G][MAX_D];
-            float m[MAX_G], l[MAX_G], s[MAX_G][MAX_BS];
-            const float *qh = q + (r * H + h * G) * D;
-            for (int64_t g = 0; g < G; g++) {
-                m[g] = -FLT_MAX; /* finite: built with -ffast-math, which assumes no infinities */
-                l[g] = 0.0f;
-                memset(acc[g], 0, sizeof(float) * D);
-            }
-            const int64_t len = lens[r];
-            for (int64_t i = starts[r]; i < starts[r + 1]; i++) {
-                const int64_t first = (i - starts[r]) * BS;
-                const int64_t valid = len - first < BS ? len - first : BS;
-                const float *kb = k + (blocks[i] * KVH + h) * BS * D;
-                const float *vb = v + (blocks[i] * KVH + h) * BS * D;
-                for (int64_t g = 0; g < G; g++) {
-                    const float *qg = qh + g * D;
-                    float block_max = -FLT_MAX;
-                    for (int64_t t = 0; t < valid; t++) {
-                        const float *kt = kb + t * D;
-                        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t d = 0; d < D; d++) dot += qg[d] * kt[d];
-                        dot *= scale;
-                        s[g][t] = dot;
-                        block_max = dot > block_max ? dot : block_max;
-                    }
-                    /* Rescale what was accumulated when this block raises the running max. */
-                    if (block_max > m[g]) {
-                        const float c = expf(m[g] - block_max);
-                        l[g] *= c;
-                        for (int64_t d = 0; d < D; d++) acc[g][d] *= c;
-                        m[g] = block_max;
-                    }
-                    float p[MAX_BS];
-#pragma omp simd
-                    for (int64_t t = 0; t < valid; t++) p[t] = expf(s[g][t] - m[g]);
-                    for (int64_t t = 0; t < valid; t++) {
-                        const float *vt = vb + t * D;
-                        l[g] += p[t];
-#pragma omp simd
-                        for (int64_t d = 0; d < D; d++) acc[g][d] += p[t] * vt[d];
-                    }
-                }
-            }
-            float *oh = out + (r * H + h * G) * D;
-            for (int64_t g = 0; g < G; g++) {
-                const float inv = 1.0f / l[g];
-                for (int64_t d = 0; d < D; d++) oh[g * D + d] = acc[g][d] * inv;
-            }
-        }
+    /* One task per request when there are enough of them: a block's keys (then values) for all
+     * KV heads are one contiguous run, which streams from memory far better than a run per
+     * head. With fewer requests than threads, each request's heads are split across tasks. */
+    const int64_t threads = omp_get_max_threads();
+    int64_t splits = n >= threads ? 1 : (threads + n - 1) / n;
+    splits = splits > KVH ? KVH : splits;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < n * splits; task++) {
+        const int64_t r = task / splits, part = task % splits;
+        attend(q + r * H * D, k, v, blocks, starts[r], starts[r + 1], lens[r], out + r * H * D,
+               part * KVH / splits, (part + 1) * KVH / splits, G, KVH, D, BS, scale);
     }
 }
 
@@ -130,16 +163,17 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t n) {
 
 /* Store the step's keys and values: token t goes to block blocks[t], slot offsets[t].
  * k, v: [T, KVH, D] with rows k_stride and v_stride floats apart (views into the fused qkv
- * projection); caches: [num_blocks, KVH, BS, D]. */
+ * projection); k_cache: [num_blocks, KVH, D, BS] (transposed blocks), v_cache: [num_blocks, KVH, BS, D]. */
 void write_kv_f32(const float *k, const float *v, float *k_cache, float *v_cache, const int64_t *blocks,
                   const int64_t *offsets, int64_t T, int64_t KVH, int64_t BS, int64_t D, int64_t k_stride,
                   int64_t v_stride) {
 #pragma omp parallel for schedule(static) if (T > 64)
     for (int64_t t = 0; t < T; t++) {
         for (int64_t h = 0; h < KVH; h++) {
-            const int64_t dst = ((blocks[t] * KVH + h) * BS + offsets[t]) * D;
-            memcpy(k_cache + dst, k + t * k_stride + h * D, sizeof(float) * D);
-            memcpy(v_cache + dst, v + t * v_stride + h * D, sizeof(float) * D);
+            const int64_t block = (blocks[t] * KVH + h) * BS * D;
+            const float *kt = k + t * k_stride + h * D;
+            for (int64_t d = 0; d < D; d++) k_cache[block + d * BS + offsets[t]] = kt[d];
+            memcpy(v_cache + block + offsets[t] * D, v + t * v_stride + h * D, sizeof(float) * D);
         }
     }
 }
