@@ -128,7 +128,7 @@ def run_transformers(args) -> dict:
     import transformers
     from tqdm import tqdm
 
-    from pdserve.engine.loader import resolve_model
+    from pdserve.engine.sources import resolve_model
 
     source = resolve_model(args.model)
     model = transformers.AutoModelForCausalLM.from_pretrained(

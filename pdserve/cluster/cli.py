@@ -92,21 +92,26 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": line})
         prompt = llm.tokenizer.encode_chat(history)
-        reply = []
-
-        class _Tee:
-            def write(self, s):
-                reply.append(s)
-                sys.stdout.write(s)
-
-            def flush(self):
-                sys.stdout.flush()
-
+        tee = _Tee()
         try:
-            _stream(llm, prompt, params, out=_Tee())
+            _stream(llm, prompt, params, out=tee)
         except KeyboardInterrupt:
             print("\n[interrupted]", file=sys.stderr)
-        history.append({"role": "assistant", "content": "".join(reply).rstrip("\n")})
+        history.append({"role": "assistant", "content": "".join(tee.parts).rstrip("\n")})
+
+
+class _Tee:
+    """Write to stdout and keep what was written."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+
+    def write(self, s: str) -> None:
+        self.parts.append(s)
+        sys.stdout.write(s)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,21 +1,30 @@
-"""The model runner both worker kinds share: models, paged KV cache, scheduler, sampler."""
+"""The model runner both worker kinds share: models, paged KV cache, scheduler, sampler.
 
-from pdserve.engine.config import DEFAULT_MODEL, EngineConfig, ModelConfig
-from pdserve.engine.engine import EngineStats, LLMEngine
-from pdserve.engine.llm import LLM, CompletionOutput, GenerationResult
-from pdserve.engine.request import RequestOutput
-from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+Names are imported lazily, so that ``from pdserve.engine.sampling_params import ...`` or the
+tokenizer does not pull in torch (the router uses those and never runs a model).
+"""
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "LLM",
-    "CompletionOutput",
-    "EngineConfig",
-    "EngineStats",
-    "GenerationResult",
-    "InvalidRequestError",
-    "LLMEngine",
-    "ModelConfig",
-    "RequestOutput",
-    "SamplingParams",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "DEFAULT_MODEL": "pdserve.engine.config",
+    "EngineConfig": "pdserve.engine.config",
+    "ModelConfig": "pdserve.engine.config",
+    "EngineStats": "pdserve.engine.engine",
+    "LLMEngine": "pdserve.engine.engine",
+    "LLM": "pdserve.engine.llm",
+    "CompletionOutput": "pdserve.engine.llm",
+    "GenerationResult": "pdserve.engine.llm",
+    "RequestOutput": "pdserve.engine.request",
+    "InvalidRequestError": "pdserve.engine.sampling_params",
+    "SamplingParams": "pdserve.engine.sampling_params",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pdserve.engine' has no attribute {name!r}")

@@ -134,9 +134,13 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Request:
         request = self.make_request(request_id, prompt, params or SamplingParams(), cache_salt, arrival_time)
+        self.add(request)
+        return request
+
+    def add(self, request: Request) -> None:
+        """Queue a request built by ``make_request``."""
         self._track(request)
         self.scheduler.add_request(request)
-        return request
 
     def reserve_remote_request(self, request: Request) -> list[int] | None:
         """Reserve blocks for a request whose prompt KV arrives from outside (None: no room)."""

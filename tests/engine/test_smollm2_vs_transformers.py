@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.engine.loader import ours_to_hf, resolve_model
+from pdserve.engine.loader import ours_to_hf
+from pdserve.engine.sources import resolve_model
 from tests.conftest import run_to_completion
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,174 @@
+"""The engine behind an asyncio API: its step loop runs in a thread of its own.
+
+    engine = AsyncEngine(LLMEngine(config))
+    engine.start()
+    async for out in engine.generate("id", prompt_ids, params):   # RequestOutput deltas
+        ...
+    engine.abort("id")           # from any task; also done when the consumer stops iterating
+
+Requests are validated in the caller's task (bad input raises at once); the loop thread owns
+the LLMEngine: it adds queued requests, applies aborts, steps while there is work, and hands
+each step's outputs to the event loop in one call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pdserve.engine.engine import EngineStats, LLMEngine
+from pdserve.engine.request import Request, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (an exception in a step); no request can complete."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, rate_window_s: float = 5.0):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._stats = engine.stats()
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._rate_window_s = rate_window_s
+        self.error: BaseException | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request until it finishes; leaving early aborts it."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop stopped: {self.error!r}")
+        with self._lock:
+            if request_id in self._streams:
+                from pdserve.engine.sampling_params import InvalidRequestError
+
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+            request = self.engine.make_request(request_id, prompt, params, cache_salt)
+            stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+            self._streams[request_id] = stream
+        self._commands.put(("add", request))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await stream.queue.get()
+                if isinstance(out, BaseException):
+                    raise EngineDeadError(f"engine loop stopped: {out!r}") from out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def generation_rate(self) -> float:
+        """Generated tokens per second over the recent window."""
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - self._rate_window_s:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / self._rate_window_s
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    # ---- the loop thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply_commands()
+                if not self.engine.has_unfinished():
+                    self._stats = self.engine.stats()
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()
+                self._deliver(outputs)
+        except BaseException as e:  # the loop must not die silently: fail every waiting request
+            log.exception("engine loop failed")
+            self.error = e
+            with self._lock:
+                streams = list(self._streams.values())
+            for stream in streams:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                request: Request = arg
+                with self._lock:
+                    live = request.request_id in self._streams
+                if live:  # the caller may have gone before its request got here
+                    self.engine.add(request)
+            else:
+                self._deliver(self.engine.abort_request(arg))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        tokens = 0
+        with self._lock:
+            for out in outputs:
+                tokens += len(out.new_token_ids)
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+            self._recent.append((time.monotonic(), tokens))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)

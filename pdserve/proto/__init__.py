@@ -1,0 +1,1 @@
+"""gRPC services and messages of the workers; generated stubs under v1/ (see generate.py)."""
