@@ -125,3 +125,15 @@ def collect_arguments(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The fields of ``cls`` that were given on the command line."""
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def to_flags(options: dict[str, Any]) -> list[str]:
+    """The command-line flags that ``add_arguments``/``collect_arguments`` read back as ``options``."""
+    flags = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags

@@ -75,3 +75,45 @@ def run_to_completion(engine, max_steps: int = 10_000) -> dict[str, list[int]]:
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     raise AssertionError("engine did not finish")
+
+
+NEAR_TIE = 1e-3
+
+
+def top2_margin(engine, context: list[int]) -> float:
+    """Logit gap between the two most likely next tokens after ``context`` (raw logprobs)."""
+    from pdserve.engine import SamplingParams
+
+    engine.add_request("margin-probe", context, SamplingParams(temperature=0, max_tokens=1, logprobs=2))
+    out = [o for o in engine.step() if o.request_id == "margin-probe"][0]
+    run_to_completion(engine)
+    top = out.new_logprobs[0].top
+    return top[0].logprob - top[1].logprob
+
+
+def greedy_reference(engine, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[str]]:
+    """Greedy tokens and the text after each token, from an in-process engine."""
+    from pdserve.engine import SamplingParams
+
+    engine.add_request("ref", prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens))
+    ids, texts, text = [], [], ""
+    while engine.has_unfinished():
+        for o in engine.step():
+            for t in o.new_token_ids:
+                ids.append(t)
+            text += o.new_text
+            texts.append(text)
+    return ids, texts
+
+
+def assert_text_matches_greedy(engine, prompt_ids: list[int], got: str, max_tokens: int, label: str = "") -> None:
+    """``got`` equals the engine's greedy text, or differs first where the top-2 margin is a near-tie."""
+    ids, texts = greedy_reference(engine, prompt_ids, max_tokens)
+    expected = texts[-1] if texts else ""
+    if got == expected:
+        return
+    k = next((i for i, t in enumerate(texts) if not got.startswith(t)), len(texts))
+    margin = top2_margin(engine, prompt_ids + ids[:k])
+    assert margin < NEAR_TIE, f"{label}: text differs from greedy at token {k} (top-2 margin {margin:.4f}): " \
+                              f"{got!r} vs {expected!r}"
+    print(f"{label}: near-tie at token {k}, top-2 margin {margin:.2e}")

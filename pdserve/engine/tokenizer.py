@@ -27,6 +27,23 @@ _SPLITS = {"llama-bpe": [_LLAMA3_SPLIT], "llama3": [_LLAMA3_SPLIT], "smollm": [r
 _CONTROL, _USER_DEFINED = 3, 4
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+
+
 @dataclass
 class TokenizerInfo:
     """What a model file says about its tokens besides the vocabulary."""
@@ -45,6 +62,7 @@ class ModelTokenizer:
         self.eos_token_ids = info.eos_token_ids
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template = _compile_template(info.chat_template) if info.chat_template else None
+        self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
 
     # ---- construction ------------------------------------------------------------------
 
@@ -128,8 +146,14 @@ class ModelTokenizer:
         return self.tokenizer.id_to_token(token_id)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes a single token stands for (for logprobs' ``bytes`` field)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8", "surrogatepass")
+        """The bytes a single token stands for (for logprobs' ``bytes`` field); a byte-level
+        token may hold part of a UTF-8 character, which decoding it alone would lose."""
+        token = self.tokenizer.id_to_token(token_id)
+        if token is None:
+            return b""
+        if self._byte_level and all(c in _BYTE_DECODER for c in token):
+            return bytes(_BYTE_DECODER[c] for c in token)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
     @property
     def has_chat_template(self) -> bool:

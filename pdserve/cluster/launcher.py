@@ -1,0 +1,85 @@
+"""Starting and stopping worker processes on this machine (the plain-process launcher).
+
+Each worker is ``python -m pdserve.cluster.cli worker <role> --port 0 ...``; it prints
+``PDSERVE_WORKER_READY host:port`` on stdout once it serves, which is how the launcher learns
+its address. Stopping sends SIGTERM (the worker drains), then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+READY = "PDSERVE_WORKER_READY"
+
+
+@dataclass
+class WorkerProcess:
+    role: str
+    process: subprocess.Popen
+    address: str = ""
+    forwarder: threading.Thread | None = None  # copies the worker's stdout after it is ready
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+def start_worker(role: str, args: list[str], env: dict[str, str] | None = None) -> WorkerProcess:
+    cmd = [sys.executable, "-m", "pdserve.cluster.cli", "worker", role, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    return WorkerProcess(role, proc)
+
+
+def wait_ready(workers: list[WorkerProcess], timeout_s: float = 600.0) -> None:
+    """Block until every worker has printed its address; raise if one exits first."""
+    deadline = time.monotonic() + timeout_s
+    for w in workers:
+        while not w.address:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{w.role} worker (pid {w.pid}) did not become ready in {timeout_s:.0f} s")
+            line = w.process.stdout.readline()
+            if not line:
+                code = w.process.wait()
+                raise RuntimeError(f"{w.role} worker (pid {w.pid}) exited with status {code} before serving")
+            if line.startswith(READY):
+                w.address = line.split()[1]
+            else:
+                sys.stdout.write(line)
+        # Keep the pipe drained so the worker never blocks writing to it.
+        w.forwarder = threading.Thread(target=_forward, args=(w.process.stdout,), daemon=True)
+        w.forwarder.start()
+
+
+def _forward(stream) -> None:
+    try:
+        for line in stream:
+            sys.stdout.write(line)
+    except (ValueError, OSError):  # the pipe was closed under us: the worker is gone
+        pass
+
+
+def stop_workers(workers: list[WorkerProcess], grace_s: float = 30.0) -> None:
+    """SIGTERM every worker we started, wait for them to drain, SIGKILL what remains."""
+    for w in workers:
+        if w.process.poll() is None:
+            w.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for w in workers:
+        try:
+            w.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s worker (pid %d) did not stop in %.0f s; killing it", w.role, w.pid, grace_s)
+            w.process.kill()
+            w.process.wait()
+        if w.forwarder is not None:
+            w.forwarder.join(5)
+        if w.process.stdout is not None:
+            w.process.stdout.close()

@@ -1,0 +1,104 @@
+"""``pdserve serve``, ``pdserve router`` and ``pdserve worker``: the serving processes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from pdserve.configs import add_arguments, collect_arguments, from_dict, to_flags
+from pdserve.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return from_dict(EngineConfig, collect_arguments(args, EngineConfig))
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from pdserve.decode_worker.server import WorkerConfig, serve
+    from pdserve.engine.engine import LLMEngine
+
+    config = _engine_config(args)
+    worker = from_dict(WorkerConfig, collect_arguments(args, WorkerConfig))
+    engine = LLMEngine(config)
+    asyncio.run(serve(engine, worker))
+    return 0
+
+
+def _run_router(router_config, model: str, addresses: list[str]) -> None:
+    import uvicorn
+
+    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.router.app import Router
+    from pdserve.router.pool import WorkerPool
+
+    pool = WorkerPool(addresses, poll_interval_s=router_config.poll_interval_s)
+    router = Router(router_config, pool, load_tokenizer(model), model)
+    server = uvicorn.Server(uvicorn.Config(router.create_app(), host=router_config.host, port=router_config.port,
+                                           log_level="warning", timeout_graceful_shutdown=30))
+    log.info("router on http://%s:%d, workers: %s", router_config.host, router_config.port, ", ".join(addresses))
+    server.run()
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from pdserve.router.app import RouterConfig
+
+    config = from_dict(RouterConfig, collect_arguments(args, RouterConfig))
+    _run_router(config, args.model, args.worker)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready
+    from pdserve.router.app import RouterConfig
+
+    engine_options = collect_arguments(args, EngineConfig)
+    engine = from_dict(EngineConfig, engine_options)  # validate before starting anything
+    router_config = from_dict(RouterConfig, collect_arguments(args, RouterConfig))
+    if args.decode < 1:
+        raise ValueError(f"--decode: at least one decode worker is needed, got {args.decode}")
+    if engine.num_threads is None:
+        engine_options["num_threads"] = max(1, (os.cpu_count() or 1) // args.decode)
+    flags = to_flags({**engine_options, "load_progress": False})
+    workers = [start_worker("decode", ["--host", "127.0.0.1", "--port", "0", *flags]) for _ in range(args.decode)]
+    try:
+        log.info("starting %d decode worker(s) with %s", args.decode, engine.model)
+        wait_ready(workers)
+        _run_router(router_config, engine.model, [w.address for w in workers])
+    finally:
+        stop_workers(workers)
+    return 0
+
+
+def add_commands(sub) -> None:
+    from pdserve.decode_worker.server import WorkerConfig
+    from pdserve.router.app import RouterConfig
+
+    serve = sub.add_parser(
+        "serve", help="serve the OpenAI API with workers on this machine",
+        description="Start decode workers (one process each) and the router in front of them; Ctrl-C or "
+                    "SIGTERM stops them all.")
+    serve.add_argument("--decode", type=int, default=1, help="number of decode workers (default: 1)")
+    add_arguments(serve.add_argument_group("router"), RouterConfig)
+    add_arguments(serve.add_argument_group("engine (every worker)"), EngineConfig)
+    serve.set_defaults(func=cmd_serve)
+
+    router = sub.add_parser("router", help="run the router alone, in front of running workers",
+                            description="The OpenAI-compatible router, dispatching to the given workers.")
+    router.add_argument("--worker", action="append", required=True, metavar="HOST:PORT",
+                        help="a worker's gRPC address (repeatable)")
+    router.add_argument("--model", default=EngineConfig.model,
+                        help="model spec whose tokenizer and chat template to use (default: %(default)s)")
+    add_arguments(router, RouterConfig)
+    router.set_defaults(func=cmd_router)
+
+    worker = sub.add_parser("worker", help="run one worker alone",
+                            description="A worker process hosting the engine behind gRPC.")
+    roles = worker.add_subparsers(dest="role", required=True)
+    decode = roles.add_parser("decode", help="a decode worker (prefills its own prompts: colocated serving)")
+    add_arguments(decode.add_argument_group("worker"), WorkerConfig)
+    add_arguments(decode.add_argument_group("engine"), EngineConfig)
+    decode.set_defaults(func=cmd_worker)

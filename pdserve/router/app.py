@@ -1,0 +1,389 @@
+"""The OpenAI-compatible HTTP API in front of the workers.
+
+A request's path: validate (pydantic; 400 naming the field) -> known model (404) -> admission
+(429 with Retry-After) -> chat template and tokenizer -> context check (400
+context_length_exceeded) -> one worker request per choice, dispatched by the policy (503 when
+no worker is up) -> stream (SSE) or collect -> usage. A client that goes away cancels its
+worker calls, which aborts the requests there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+
+from pdserve.configs import doc
+from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.engine.tokenizer import ModelTokenizer
+from pdserve.proto.v1 import worker_pb2 as pb
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import POLICIES
+from pdserve.router.pool import WorkerPool
+from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, field_of_engine_error
+from pdserve.router.responses import SSE_DONE, Choice, Formatter, usage
+from pdserve.router.worker_client import NoWorkerError, WorkerLostError, dispatch, sampling_to_proto
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router's knobs. Every field is a ``--flag`` of ``pdserve router`` and ``pdserve serve``."""
+
+    host: str = doc("127.0.0.1", "address the HTTP API listens on")
+    port: int = doc(8000, "HTTP port of the OpenAI-compatible API")
+    served_model_name: str = doc("", "model name clients send (default: the name the workers serve)")
+    policy: Literal["least_loaded", "round_robin"] = doc("least_loaded", "how a worker is chosen for a request")
+    max_concurrent_requests: int = doc(512, "admission limit: past this many requests in flight, answer 429")
+    retry_after_s: int = doc(1, "Retry-After seconds sent with a 429")
+    poll_interval_s: float = doc(0.5, "how often worker load snapshots and health are read")
+
+
+class Router:
+    def __init__(self, config: RouterConfig, pool: WorkerPool, tokenizer: ModelTokenizer, model_spec: str):
+        self.config = config
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.model_spec = model_spec
+        self.policy = POLICIES[config.policy]()
+        self.metrics = RouterMetrics()
+        self.inflight = 0
+
+    @property
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        info = self.pool.model_info()
+        return info.model if info else self.model_spec
+
+    @property
+    def max_model_len(self) -> int | None:
+        info = self.pool.model_info()
+        return info.max_model_len if info else None
+
+    # ---- the app ----------------------------------------------------------------------------
+
+    def create_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(_app):
+            await self.pool.start()
+            yield
+            await self.pool.close()
+
+        app = FastAPI(title="pdserve", version="1", lifespan=lifespan)
+        app.add_exception_handler(RequestValidationError, self._validation_error)
+        app.add_exception_handler(OpenAIError, self._openai_error)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatCompletionRequest, raw: Request):
+            return await self._serve("chat", body)
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, raw: Request):
+            return await self._serve("completions", body)
+
+        @app.get("/v1/models")
+        async def models():
+            card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+                    "root": self.model_spec, "max_model_len": self.max_model_len}
+            return {"object": "list", "data": [card]}
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok"}
+
+        @app.get("/ready")
+        async def ready():
+            workers = [{"address": w.address, "worker_id": w.worker_id, "healthy": w.healthy} for w in self.pool.workers]
+            ok = any(w.healthy for w in self.pool.workers)
+            return JSONResponse({"ready": ok, "workers": workers}, status_code=200 if ok else 503)
+
+        @app.get("/metrics")
+        async def metrics():
+            self._refresh_worker_gauges()
+            return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
+
+        return app
+
+    async def _validation_error(self, request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not isinstance(x, int)]
+        param = loc[0] if loc else None
+        message = str(err.get("msg", "invalid request"))
+        if err.get("type") == "json_invalid":
+            param, message = None, "the request body is not valid JSON"
+        elif not loc:
+            message = "the request body must be a JSON object" if err.get("type") in ("model_attributes_type",
+                                                                                    "dict_type") else message
+        elif param is None and ":" in message:  # model validators name their field first
+            param = message.removeprefix("Value error, ").split(":", 1)[0].split()[0]
+        text = f"{'.'.join(loc) or 'body'}: {message}" if loc else message.removeprefix("Value error, ")
+        self.metrics.errors.labels("invalid_request").inc()
+        self.metrics.requests.labels(request.url.path, "400").inc()
+        return JSONResponse(OpenAIError(400, text, param=param).body(), status_code=400)
+
+    async def _openai_error(self, request: Request, exc: OpenAIError) -> JSONResponse:
+        self.metrics.errors.labels(exc.code or exc.type).inc()
+        self.metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    def _refresh_worker_gauges(self) -> None:
+        m = self.metrics
+        m.workers_healthy.set(len(self.pool.healthy()))
+        for w in self.pool.workers:
+            s = w.snapshot or pb.LoadSnapshot()
+            m.worker_running.labels(w.worker_id).set(s.num_running)
+            m.worker_waiting.labels(w.worker_id).set(s.num_waiting)
+            m.worker_kv_usage.labels(w.worker_id).set(s.kv_usage)
+            m.worker_tps.labels(w.worker_id).set(s.generation_tokens_per_s)
+
+    # ---- serving ----------------------------------------------------------------------------
+
+    async def _serve(self, kind: str, body: ChatCompletionRequest | CompletionRequest):
+        started = time.perf_counter()
+        endpoint = f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}"
+        if body.model != self.model_name:
+            raise OpenAIError(404, f"model {body.model!r} does not exist; served: {self.model_name!r}",
+                              type="not_found_error", param="model", code="model_not_found")
+        if self.inflight >= self.config.max_concurrent_requests:
+            raise OpenAIError(429, f"too many requests in flight ({self.inflight}); retry shortly",
+                              type="rate_limit_error", code="rate_limit_exceeded",
+                              headers={"Retry-After": str(self.config.retry_after_s)})
+        params, prompts = self._prepare(kind, body)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        choices, requests = [], []
+        for p, (ids, prefix) in enumerate(prompts):
+            for j in range(params.n):
+                index = p * params.n + j
+                choices.append(Choice(index, prefix=prefix))
+                seed = None if params.seed is None else params.seed + j
+                requests.append(pb.GenerateRequest(
+                    request_id=f"{rid}-{index}", prompt_token_ids=ids, cache_salt=body.cache_salt or "",
+                    sampling=sampling_to_proto(params.replace(n=1, seed=seed))))
+        prompt_tokens = sum(len(ids) for ids, _ in prompts)
+        fmt = Formatter(self.tokenizer, rid, body.model, chat=kind == "chat")
+        want_logprobs = (body.logprobs if kind == "chat" else body.logprobs is not None)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.inflight += 1
+        self.metrics.in_flight.inc()
+        stream = _merge([dispatch(self.pool, self.policy, r) for r in requests])
+        try:
+            first = await self._first(stream)  # errors before any output become HTTP statuses
+        except BaseException:
+            self._done()
+            await stream.aclose()
+            raise
+        run = _Run(self, fmt, choices, want_logprobs, prompt_tokens, started, endpoint)
+        if body.stream:
+            body_iter = run.sse(first, stream, include_usage)
+            # A client gone before the first byte: the body is never iterated, its finally never
+            # runs; this settles the request when the unstarted generator is collected.
+            weakref.finalize(body_iter, run.abandon, stream)
+            return StreamingResponse(body_iter, media_type="text/event-stream")
+        try:
+            return JSONResponse(await run.collect(first, stream))
+        finally:
+            await stream.aclose()
+
+    def _prepare(self, kind: str, body) -> tuple[SamplingParams, list[tuple[list[int], str]]]:
+        """Sampling parameters and (prompt ids, echo prefix) per prompt; 400s name the field."""
+        try:
+            params = body.engine_params()
+        except InvalidRequestError as e:
+            raise OpenAIError(400, str(e), param=field_of_engine_error(e, body)) from e
+        if kind == "chat":
+            try:
+                prompts = [(self.tokenizer.encode_chat(body.template_messages(), body.add_generation_prompt), "")]
+            except Exception as e:  # a template may raise on inputs it does not accept
+                raise OpenAIError(400, f"messages: cannot apply the chat template: {e}", param="messages") from e
+        else:
+            prompts = []
+            for p in body.prompts():
+                ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                echo = (p if isinstance(p, str) else self.tokenizer.decode(ids)) if body.echo else ""
+                prompts.append((ids, echo))
+        for ids, _ in prompts:
+            self._check_context(kind, ids, params)
+        return params, prompts
+
+    def _check_context(self, kind: str, ids: list[int], params: SamplingParams) -> None:
+        field = "messages" if kind == "chat" else "prompt"
+        if not ids:
+            raise OpenAIError(400, f"{field}: the prompt is empty", param=field)
+        limit = self.max_model_len
+        if limit is None:
+            return
+        wanted = len(ids) + (params.max_tokens or 1)
+        if len(ids) >= limit or wanted > limit:
+            raise OpenAIError(
+                400, f"This model's maximum context length is {limit} tokens. However, you requested {wanted} "
+                f"tokens ({len(ids)} in the {field}, {params.max_tokens or 1} for the completion).",
+                param=field, code="context_length_exceeded")
+
+    async def _first(self, stream):
+        try:
+            return await stream.__anext__()
+        except StopAsyncIteration:
+            return None
+        except NoWorkerError as e:
+            raise OpenAIError(503, f"no worker can serve the request: {e}", type="service_unavailable",
+                              code="no_worker_available") from e
+        except InvalidRequestError as e:
+            raise OpenAIError(400, str(e), param=e.field, code=e.code) from e
+
+    def _done(self) -> None:
+        self.inflight -= 1
+        self.metrics.in_flight.dec()
+
+
+class _Run:
+    """One HTTP request being answered: its choices, timings and metrics."""
+
+    def __init__(self, router: Router, fmt: Formatter, choices: list[Choice], want_logprobs: bool,
+                 prompt_tokens: int, started: float, endpoint: str):
+        self.router, self.fmt, self.choices = router, fmt, choices
+        self.want_logprobs, self.prompt_tokens = want_logprobs, prompt_tokens
+        self.started, self.endpoint = started, endpoint
+        self.cached_tokens = 0
+        self.first_at: float | None = None
+        self.finished = False
+
+    def _record(self, index: int, msg: pb.GenerateResponse) -> tuple[Choice, str, list, int]:
+        c = self.choices[index]
+        offset = len(c.prefix) + sum(len(t) for t in c.text)
+        now = time.perf_counter()
+        previous = c.last_token_at
+        text, lps = c.add(msg, now)
+        self.cached_tokens = max(self.cached_tokens, msg.num_cached_tokens)
+        if msg.token_ids:
+            m = self.router.metrics
+            if self.first_at is None:
+                self.first_at = now
+                m.ttft.observe(now - self.started)
+            elif previous is not None:
+                m.itl.observe(now - previous)
+        return c, text, lps, offset
+
+    def _usage(self) -> dict:
+        return usage(self.prompt_tokens, sum(len(c.token_ids) for c in self.choices), self.cached_tokens)
+
+    def abandon(self, stream) -> None:
+        if self.finished:
+            return
+        self._finish(499)
+        try:
+            asyncio.get_running_loop().create_task(stream.aclose())
+        except RuntimeError:  # collected outside the event loop: nothing left to cancel
+            pass
+
+    def _finish(self, status: int) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        m, end = self.router.metrics, time.perf_counter()
+        m.e2e.observe(end - self.started)
+        m.requests.labels(self.endpoint, str(status)).inc()
+        m.prompt_tokens.inc(self.prompt_tokens)
+        for c in self.choices:
+            m.generation_tokens.inc(len(c.token_ids))
+            if len(c.token_ids) > 1 and c.first_token_at is not None:
+                m.tpot.observe((c.last_token_at - c.first_token_at) / (len(c.token_ids) - 1))
+        self.router._done()
+
+    async def collect(self, first, stream) -> dict:
+        status = 200
+        try:
+            item = first
+            while item is not None:
+                self._record(*item)
+                item = await _next(stream)
+            return self.fmt.response(self.choices, self.want_logprobs, self._usage())
+        except WorkerLostError as e:
+            status = 502
+            raise OpenAIError(502, str(e), type="server_error", code="worker_lost") from e
+        finally:
+            self._finish(status)
+
+    async def sse(self, first, stream, include_usage: bool) -> AsyncIterator[bytes]:
+        status = 200
+        try:
+            for c in self.choices:
+                if chunk := self.fmt.first_chunk(c.index, c.prefix):
+                    yield chunk
+            item = first
+            while item is not None:
+                c, text, lps, offset = self._record(*item)
+                if text or lps or c.finish_reason is not None:
+                    yield self.fmt.delta_chunk(c, text, lps, self.want_logprobs, offset)
+                item = await _next(stream)
+            if include_usage:
+                yield self.fmt.usage_chunk(self._usage())
+            yield SSE_DONE
+        except (WorkerLostError, NoWorkerError, InvalidRequestError) as e:
+            status = 502
+            self.router.metrics.errors.labels(type(e).__name__).inc()
+            error = OpenAIError(502, str(e), type="server_error")
+            yield b"data: " + orjson.dumps(error.body()) + b"\n\n" + SSE_DONE
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        finally:
+            await stream.aclose()
+            self._finish(status)
+
+
+async def _next(stream):
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _merge(streams: list[AsyncIterator[pb.GenerateResponse]]) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    """Interleave the choices' streams as messages arrive; (choice index, message)."""
+    if len(streams) == 1:  # the common case, without tasks and a queue
+        async with aclosing(streams[0]) as only:
+            async for msg in only:
+                yield 0, msg
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncIterator) -> None:
+        try:
+            async with aclosing(s):
+                async for msg in s:
+                    queue.put_nowait((i, msg))
+            queue.put_nowait((i, None))
+        except BaseException as e:
+            queue.put_nowait((i, e))
+            if isinstance(e, asyncio.CancelledError):
+                raise
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,52 @@
+"""The router's Prometheus metrics (one registry per router; served at /metrics).
+
+Latency definitions, the same ones ``pdserve bench`` measures from outside:
+- time to first token (TTFT): request received -> first token sent to the client;
+- inter-token latency (ITL): gap between consecutive token-bearing messages of one choice;
+- time per output token (TPOT): (end-to-end - TTFT) / (output tokens - 1), for outputs of
+  two tokens or more;
+- end-to-end latency: request received -> last byte of the response.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                  2.5, 5.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("pdserve_router_requests", "Requests answered, by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.errors = Counter("pdserve_router_errors", "Errors, by type", ["type"], registry=r)
+        self.in_flight = Gauge("pdserve_router_requests_in_flight", "Requests being served", registry=r)
+        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds", "Request received to first token sent",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_router_inter_token_latency_seconds",
+                             "Gap between consecutive token-bearing messages of a choice", buckets=_TOKEN_BUCKETS,
+                             registry=r)
+        self.tpot = Histogram("pdserve_router_time_per_output_token_seconds",
+                              "(end-to-end - TTFT) / (output tokens - 1), per choice of 2+ tokens",
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_router_e2e_request_latency_seconds", "Request received to last byte sent",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens of answered requests",
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve_router_generation_tokens", "Tokens generated and sent",
+                                         registry=r)
+        self.retries = Counter("pdserve_router_retries", "Requests moved to another worker before streaming",
+                               registry=r)
+        self.workers_healthy = Gauge("pdserve_router_workers_healthy", "Workers in rotation", registry=r)
+        self.worker_running = Gauge("pdserve_worker_num_running", "Running requests (worker snapshot)",
+                                    ["worker"], registry=r)
+        self.worker_waiting = Gauge("pdserve_worker_num_waiting", "Waiting requests (worker snapshot)",
+                                    ["worker"], registry=r)
+        self.worker_kv_usage = Gauge("pdserve_worker_kv_cache_usage", "KV-cache blocks in use, fraction",
+                                     ["worker"], registry=r)
+        self.worker_tps = Gauge("pdserve_worker_generation_tokens_per_second", "Recent generation rate",
+                                ["worker"], registry=r)

@@ -1,0 +1,123 @@
+"""The workers a router dispatches to: channels, load snapshots, health.
+
+A poller asks every worker for its load snapshot every ``poll_interval_s``. A worker that
+fails ``fail_after`` polls in a row, or whose call fails during a request, leaves the
+rotation (its ``down`` event is set, so requests waiting on it move elsewhere) and comes back
+when it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.proto.v1 import worker_pb2 as pb
+from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.router.policy import WorkerLoad
+
+log = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    address: str
+    channel: grpc.aio.Channel | None = None  # opened in the event loop that uses it
+    stub: pb_grpc.WorkerStub | None = None
+    info: pb.WorkerInfo | None = None
+    snapshot: pb.LoadSnapshot | None = None
+    healthy: bool = False
+    failures: int = 0
+    inflight: int = 0
+    down: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id if self.info else self.address
+
+    def load(self) -> WorkerLoad:
+        s = self.snapshot or pb.LoadSnapshot()
+        return WorkerLoad(self.worker_id, self.inflight, s.num_running, s.num_waiting, s.kv_usage,
+                          s.waiting_prompt_tokens)
+
+
+class WorkerPool:
+    def __init__(self, addresses: list[str], poll_interval_s: float = 0.5, fail_after: int = 2,
+                 timeout_s: float = 2.0):
+        self.workers = [WorkerHandle(a) for a in addresses]
+        self.poll_interval_s = poll_interval_s
+        self.fail_after = fail_after
+        self.timeout_s = timeout_s
+        self._task: asyncio.Task | None = None
+        self.changed = asyncio.Event()  # set whenever a worker joins or leaves the rotation
+
+    async def start(self) -> None:
+        """Open the channels (in the running event loop), poll once, keep polling."""
+        for w in self.workers:
+            w.channel = grpc.aio.insecure_channel(w.address, options=_CHANNEL_OPTIONS)
+            w.stub = pb_grpc.WorkerStub(w.channel)
+            w.down.set()
+        await self.poll_once()
+        self._task = asyncio.create_task(self._poll_forever(), name="worker-pool-poller")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        for w in self.workers:
+            if w.channel is not None:
+                await w.channel.close()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # keep polling whatever one round did
+                log.exception("worker poll failed")
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(w) for w in self.workers))
+
+    async def _poll(self, w: WorkerHandle) -> None:
+        try:
+            if w.info is None:
+                w.info = await w.stub.Info(pb.InfoRequest(), timeout=self.timeout_s)
+            w.snapshot = await w.stub.Stats(pb.StatsRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            w.failures += 1
+            if w.healthy and w.failures >= self.fail_after:
+                self.mark_down(w, f"{e.code().name}: {e.details()}")
+            return
+        w.failures = 0
+        if not w.healthy and not w.snapshot.draining:
+            w.healthy = True
+            w.down.clear()
+            self.changed.set()
+            log.info("worker %s (%s) in rotation", w.worker_id, w.address)
+        elif w.healthy and w.snapshot.draining:
+            self.mark_down(w, "draining")
+
+    def mark_down(self, w: WorkerHandle, reason: str) -> None:
+        if w.healthy:
+            log.warning("worker %s (%s) out of rotation: %s", w.worker_id, w.address, reason)
+        w.healthy = False
+        w.down.set()
+        self.changed.set()
+
+    def healthy(self) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.healthy]
+
+    def by_id(self, worker_id: str) -> WorkerHandle:
+        return next(w for w in self.workers if w.worker_id == worker_id)
+
+    def model_info(self) -> pb.WorkerInfo | None:
+        return next((w.info for w in self.workers if w.info is not None), None)
