@@ -107,7 +107,8 @@ class Router:
 
         @app.get("/ready")
         async def ready():
-            workers = [{"address": w.address, "worker_id": w.worker_id, "healthy": w.healthy} for w in self.pool.workers]
+            workers = [{"address": w.address, "worker_id": w.worker_id, "healthy": w.healthy}
+                       for w in self.pool.workers]
             ok = any(w.healthy for w in self.pool.workers)
             return JSONResponse({"ready": ok, "workers": workers}, status_code=200 if ok else 503)
 
