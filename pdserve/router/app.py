@@ -126,11 +126,12 @@ class Router:
         message = str(err.get("msg", "invalid request"))
         if err.get("type") == "json_invalid":
             param, message = None, "the request body is not valid JSON"
-        elif not loc:
-            message = "the request body must be a JSON object" if err.get("type") in ("model_attributes_type",
-                                                                                    "dict_type") else message
-        elif param is None and ":" in message:  # model validators name their field first
-            param = message.removeprefix("Value error, ").split(":", 1)[0].split()[0]
+        elif not loc and err.get("type") in ("model_attributes_type", "dict_type"):
+            message = "the request body must be a JSON object"
+        elif not loc:  # a model validator: its message names the field first ("field: ...")
+            message = message.removeprefix("Value error, ")
+            if ":" in message:
+                param = message.split(":", 1)[0].split()[0]
         text = f"{'.'.join(loc) or 'body'}: {message}" if loc else message.removeprefix("Value error, ")
         self.metrics.errors.labels("invalid_request").inc()
         self.metrics.requests.labels(request.url.path, "400").inc()

@@ -65,7 +65,7 @@ class _Sampling(BaseModel):
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise ValueError("logit_bias: not supported")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("stop: at most 4 stop sequences")
         if self.stream_options is not None and not self.stream:
@@ -160,7 +160,7 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _check(self):
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: only best_of == n is supported")
         if self.echo and self.logprobs is not None:

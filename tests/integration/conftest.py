@@ -45,7 +45,8 @@ class Cluster:
         return out
 
 
-def start_router(addresses: list[str], model: str, *flags: str) -> tuple[subprocess.Popen, str]:
+def start_router(addresses: list[str], model: str, *flags: str, ready: bool = True) -> tuple[subprocess.Popen, str]:
+    """A router subprocess; waits for /ready (some worker up), or only /health when ``ready`` is False."""
     port = free_port()
     cmd = [sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "router", "--model", model,
            "--port", str(port), "--poll-interval-s", "0.2", *flags]
@@ -58,12 +59,13 @@ def start_router(addresses: list[str], model: str, *flags: str) -> tuple[subproc
         if proc.poll() is not None:
             raise RuntimeError(f"router exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200 or not addresses:
+            if httpx.get(url + ("/ready" if ready else "/health"), timeout=1).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     proc.kill()
+    proc.wait()
     raise TimeoutError("router did not become ready")
 
 
