@@ -28,6 +28,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_timing_worker(args: argparse.Namespace) -> int:
+    from pdserve.bench.timing_worker import TimingWorkerConfig, serve
+
+    asyncio.run(serve(from_dict(TimingWorkerConfig, collect_arguments(args, TimingWorkerConfig))))
+    return 0
+
+
 def _run_router(router_config, model: str, addresses: list[str]) -> None:
     import uvicorn
 
@@ -102,3 +109,12 @@ def add_commands(sub) -> None:
     add_arguments(decode.add_argument_group("worker"), WorkerConfig)
     add_arguments(decode.add_argument_group("engine"), EngineConfig)
     decode.set_defaults(func=cmd_worker)
+
+    from pdserve.bench.timing_worker import TimingWorkerConfig
+
+    mock = roles.add_parser(
+        "timing-only", help="NOT A MODEL: emits made-up tokens at a set rate (router and harness benchmarks)",
+        description="A timing-only stand-in for a worker: it answers Generate with fake tokens at a fixed rate, "
+                    "each stamped with its send time. For benchmarking the router and the load generator only.")
+    add_arguments(mock, TimingWorkerConfig)
+    mock.set_defaults(func=cmd_timing_worker)
