@@ -3,16 +3,18 @@
     python benchmarks/router_overhead.py                    # overhead at 64 streams + capacity sweep
     python benchmarks/router_overhead.py --model smollm2-135m-instruct   # overhead with the real engine
 
-Part 1, overhead: the same requests (64 concurrent streams) sent to the worker's gRPC directly,
-then through the router's HTTP API; TTFT and end-to-end latency percentiles of both, and what
-the router adds. By default the worker is the timing-only stand-in (``pdserve worker
+Part 1, overhead: the same requests from 64 concurrent closed-loop clients (each sends its next
+request when the last one ends; their starts are staggered, so arrivals are spread as in a
+steady state) to the worker's gRPC directly, then through the router's HTTP API; TTFT and
+end-to-end latency percentiles of both, and what the router adds. By default the worker is the timing-only stand-in (``pdserve worker
 timing-only``: fake tokens at a fixed rate, each stamped with its send time), so both paths see
 identical worker timings; ``--model`` uses a real decode worker instead.
 
-Part 2, capacity (timing-only worker): 256 concurrent streams at rising token rates; for each,
-the delay from the worker stamping a token to the client receiving it, directly and through
-the router. The router's capacity is the highest relayed tokens/s at which it adds at most
-5 ms at p99. Client, router and worker share this machine's cores.
+Part 2, capacity (timing-only worker): 256 concurrent closed-loop streams at rising token
+rates; for each, the delay from the worker stamping a token to the client receiving it,
+directly and through the router, after a warm-up second. The router's capacity is the highest relayed tokens/s at which it adds at most
+5 ms at p99. Client, router and worker share this machine's cores (in part 1 the router gets a
+core of its own: see --pin).
 
 Prints tables, writes JSON and a PNG plot to --result-dir.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -30,8 +33,10 @@ from pathlib import Path
 import grpc
 import httpx
 import numpy as np
+import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pdserve.bench.http import HTTPClient  # noqa: E402
 from pdserve.bench.timing_worker import parse_stamps  # noqa: E402
 from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready  # noqa: E402
 from pdserve.proto.v1 import worker_pb2 as pb  # noqa: E402
@@ -39,11 +44,13 @@ from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc  # noqa: E402
 from tests.integration.conftest import start_router  # noqa: E402
 
 PROMPT = list(range(100, 164))
+_ALL_CORES = os.sched_getaffinity(0)
 
 
 class Result:
     def __init__(self):
-        self.ttft, self.e2e, self.delay, self.tokens = [], [], [], 0
+        self.ttft, self.e2e, self.delay, self.tokens, self.wall = [], [], [], 0, 0.0
+        self.received: list[float] = []  # perf_counter of every token-bearing message
 
 
 async def direct_stream(stub, i: int, max_tokens: int, res: Result) -> None:
@@ -57,47 +64,62 @@ async def direct_stream(stub, i: int, max_tokens: int, res: Result) -> None:
         if msg.token_ids:
             first = first or now
             res.tokens += len(msg.token_ids)
+            res.received.append(now)
             if msg.text.startswith("<t="):
-                res.delay += [time.time() - s for s in parse_stamps(msg.text)]
+                res.delay += [time.time() - (time.perf_counter() - now) - s for s in parse_stamps(msg.text)]
     res.ttft.append(first - t0)
     res.e2e.append(time.perf_counter() - t0)
 
 
-async def router_stream(client: httpx.AsyncClient, url: str, model: str, max_tokens: int, res: Result) -> None:
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+async def router_stream(client: HTTPClient, model: str, max_tokens: int, res: Result) -> None:
+    body = orjson.dumps({"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                         "ignore_eos": True, "stream": True})
     t0 = time.perf_counter()
     first = None
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            now = time.perf_counter()
-            text = json.loads(line[6:])["choices"][0]["text"]
-            if text:
-                first = first or now
-                res.tokens += 1
-                if text.startswith("<t="):
-                    res.delay += [time.time() - s for s in parse_stamps(text)]
+    async for now, data in client.stream_events("/v1/completions", body):
+        if data == b"[DONE]":
+            continue
+        text = orjson.loads(data)["choices"][0]["text"]
+        if text:
+            first = first or now
+            res.tokens += 1
+            res.received.append(now)
+            if text.startswith("<t="):
+                res.delay += [time.time() - (time.perf_counter() - now) - s for s in parse_stamps(text)]
     res.ttft.append(first - t0)
     res.e2e.append(time.perf_counter() - t0)
 
 
-async def run_direct(address: str, streams: int, max_tokens: int) -> Result:
+async def closed_loop(send_one, clients: int, duration: float, stagger: float, res: Result) -> float:
+    """``clients`` loops, each sending its next request when the last ends, until ``duration``;
+    starts spread over ``stagger`` seconds. Requests starting in the first second are warm-up."""
+    t_start = res.t_start = time.perf_counter()
+
+    async def client(i: int) -> None:
+        await asyncio.sleep(stagger * i / clients)
+        while time.perf_counter() - t_start < duration:
+            target = res if time.perf_counter() - t_start > 1.0 else Result()
+            await send_one(target)
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    return time.perf_counter() - t_start
+
+
+async def run_direct(address: str, clients: int, max_tokens: int, duration: float, stagger: float) -> Result:
     res = Result()
     async with grpc.aio.insecure_channel(address) as ch:
         stub = pb_grpc.WorkerStub(ch)
         await direct_stream(stub, -1, 2, Result())  # warm-up
-        await asyncio.gather(*(direct_stream(stub, i, max_tokens, res) for i in range(streams)))
+        res.wall = await closed_loop(lambda r: direct_stream(stub, 0, max_tokens, r), clients, duration, stagger, res)
     return res
 
 
-async def run_router(url: str, model: str, streams: int, max_tokens: int) -> Result:
+async def run_router(url: str, model: str, clients: int, max_tokens: int, duration: float, stagger: float) -> Result:
     res = Result()
-    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        await router_stream(client, url, model, 2, Result())  # warm-up
-        await asyncio.gather(*(router_stream(client, url, model, max_tokens, res) for _ in range(streams)))
+    async with HTTPClient(url) as client:
+        await asyncio.gather(*(client.request("GET", "/health") for _ in range(clients)))  # open the connections
+        res.wall = await closed_loop(lambda r: router_stream(client, model, max_tokens, r), clients, duration,
+                                     stagger, res)
     return res
 
 
@@ -105,18 +127,30 @@ def pct(xs, q) -> float:
     return float(np.percentile(np.asarray(xs) * 1e3, q)) if xs else float("nan")
 
 
-def start_cluster(worker_args: list[str], role: str) -> tuple[list, subprocess.Popen, str, str]:
+def start_cluster(worker_args: list[str], role: str, pin: bool) -> tuple[list, subprocess.Popen, str, str]:
     workers = [start_worker(role, ["--host", "127.0.0.1", "--port", "0", *worker_args])]
     wait_ready(workers, timeout_s=300)
     router, url = start_router([workers[0].address], "smollm2-135m-instruct", "--max-concurrent-requests", "4096")
+    cores = sorted(os.sched_getaffinity(0))
+    if pin and len(cores) >= 2:  # the router on a core of its own; worker and client share the rest
+        _pin_tree(router.pid, {cores[0]})
+        _pin_tree(workers[0].pid, set(cores[1:]))
+        os.sched_setaffinity(0, set(cores[1:]))
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     return workers, router, url, model
+
+
+def _pin_tree(pid: int, cores: set[int]) -> None:
+    """Pin a process and all its threads (gRPC starts some) to ``cores``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cores)
 
 
 def stop_cluster(workers, router) -> None:
     router.terminate()
     router.wait(30)
     stop_workers(workers, grace_s=10)
+    os.sched_setaffinity(0, _ALL_CORES)
 
 
 def overhead(args) -> dict:
@@ -124,10 +158,11 @@ def overhead(args) -> dict:
         worker_args, role = ["--model", args.model, "--no-load-progress"], "decode"
     else:
         worker_args, role = ["--tokens-per-s", str(args.tokens_per_s)], "timing-only"
-    workers, router, url, model = start_cluster(worker_args, role)
+    workers, router, url, model = start_cluster(worker_args, role, args.pin)
     try:
-        direct = asyncio.run(run_direct(workers[0].address, args.streams, args.max_tokens))
-        routed = asyncio.run(run_router(url, model, args.streams, args.max_tokens))
+        stagger = args.max_tokens / args.tokens_per_s if not args.model else 2.0
+        direct = asyncio.run(run_direct(workers[0].address, args.streams, args.max_tokens, args.duration, stagger))
+        routed = asyncio.run(run_router(url, model, args.streams, args.max_tokens, args.duration, stagger))
     finally:
         stop_cluster(workers, router)
     rows = []
@@ -136,14 +171,17 @@ def overhead(args) -> dict:
         for q in (50, 90, 99):
             rows.append({"metric": name, "pct": q, "direct_ms": pct(d, q), "router_ms": pct(r, q),
                          "added_ms": pct(r, q) - pct(d, q)})
-    print(f"\nPart 1: {args.streams} concurrent streams x {args.max_tokens} tokens, worker: "
+    print(f"\nPart 1: {args.streams} concurrent closed-loop streams x {args.max_tokens} tokens for "
+          f"{args.duration:g} s ({len(direct.ttft)} direct and {len(routed.ttft)} routed requests), worker: "
           f"{args.model or f'timing-only at {args.tokens_per_s:g} tokens/s per stream'}")
     print("metric | percentile | direct gRPC (ms) | through router (ms) | router adds (ms)")
     print("--- | --- | --- | --- | ---")
     for row in rows:
         print(f"{row['metric']} | p{row['pct']} | {row['direct_ms']:.2f} | {row['router_ms']:.2f} | "
               f"{row['added_ms']:+.2f}")
-    return {"rows": rows, "direct": vars(direct), "router": vars(routed)}
+    keep = ("ttft", "e2e")
+    return {"rows": rows, "direct": {k: getattr(direct, k) for k in keep},
+            "router": {k: getattr(routed, k) for k in keep}}
 
 
 def capacity(args) -> list[dict]:
@@ -154,15 +192,16 @@ def capacity(args) -> list[dict]:
     print("--- | --- | --- | --- | --- | ---")
     for rate in args.rates:
         n_tokens = max(8, int(rate * args.capacity_seconds))
-        workers, router, url, model = start_cluster(["--tokens-per-s", str(rate)], "timing-only")
+        stagger = n_tokens / rate
+        workers, router, url, model = start_cluster(["--tokens-per-s", str(rate)], "timing-only", args.pin_capacity)
         try:
-            direct = asyncio.run(run_direct(workers[0].address, args.capacity_streams, n_tokens))
-            t0 = time.perf_counter()
-            routed = asyncio.run(run_router(url, model, args.capacity_streams, n_tokens))
-            wall = time.perf_counter() - t0
+            direct = asyncio.run(run_direct(workers[0].address, args.capacity_streams, n_tokens, args.duration,
+                                            stagger))
+            routed = asyncio.run(run_router(url, model, args.capacity_streams, n_tokens, args.duration, stagger))
         finally:
             stop_cluster(workers, router)
-        row = {"rate": rate, "offered": rate * args.capacity_streams, "relayed": routed.tokens / wall,
+        window = [t for t in routed.received if 1.0 <= t - routed.t_start <= args.duration]
+        row = {"rate": rate, "offered": rate * args.capacity_streams, "relayed": len(window) / (args.duration - 1.0),
                "direct_p50": pct(direct.delay, 50), "direct_p99": pct(direct.delay, 99),
                "router_p50": pct(routed.delay, 50), "router_p99": pct(routed.delay, 99)}
         row["added_p99"] = row["router_p99"] - row["direct_p99"]
@@ -187,7 +226,7 @@ def plot(result: dict, path: Path) -> None:
         axes[0].plot(xs, np.linspace(0, 1, len(xs)), label=label)
     axes[0].set_xlabel("TTFT (ms)")
     axes[0].set_ylabel("fraction of requests")
-    axes[0].set_title("TTFT CDF, 64 streams")
+    axes[0].set_title("TTFT CDF, 64 closed-loop streams")
     axes[0].legend()
     cap = result.get("capacity") or []
     if cap:
@@ -195,7 +234,7 @@ def plot(result: dict, path: Path) -> None:
         axes[1].axhline(5.0, ls="--", c="k", lw=1)
         axes[1].set_xlabel("relayed tokens/s")
         axes[1].set_ylabel("router adds at p99 (ms)")
-        axes[1].set_title("router capacity, 256 streams")
+        axes[1].set_title("router capacity, 256 closed-loop streams")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -210,8 +249,15 @@ def main() -> None:
     p.add_argument("--capacity-streams", type=int, default=256, help="streams in part 2 (default: 256)")
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[10, 20, 40, 60],
                    help="tokens/s per stream to try in part 2 (default: 10,20,40,60)")
-    p.add_argument("--capacity-seconds", type=float, default=4.0, help="length of each part-2 stream (default: 4)")
+    p.add_argument("--capacity-seconds", type=float, default=2.0, help="length of each part-2 stream (default: 2)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds each measured phase runs (default: 10)")
     p.add_argument("--skip-capacity", action="store_true", help="run part 1 only")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="part 1: pin the router to a core of its own, the worker and client to the others "
+                        "(default: on)")
+    p.add_argument("--pin-capacity", action=argparse.BooleanOptionalAction, default=False,
+                   help="part 2 likewise (default: off; at 10,000 tokens/s the worker and client need more "
+                        "than one core of a 2-core machine)")
     p.add_argument("--result-dir", default="bench-results", help="where JSON and PNG go (default: bench-results)")
     args = p.parse_args()
     result = {"overhead": overhead(args)}
@@ -225,4 +271,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import uvloop
+
+    uvloop.install()
     main()

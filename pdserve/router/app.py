@@ -22,8 +22,9 @@ from typing import Literal
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
+from pydantic import ValidationError
 
 from pdserve.configs import doc
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -87,14 +88,6 @@ class Router:
         app.add_exception_handler(RequestValidationError, self._validation_error)
         app.add_exception_handler(OpenAIError, self._openai_error)
 
-        @app.post("/v1/chat/completions")
-        async def chat_completions(body: ChatCompletionRequest, raw: Request):
-            return await self._serve("chat", body)
-
-        @app.post("/v1/completions")
-        async def completions(body: CompletionRequest, raw: Request):
-            return await self._serve("completions", body)
-
         @app.get("/v1/models")
         async def models():
             card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
@@ -117,30 +110,56 @@ class Router:
             self._refresh_worker_gauges()
             return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
 
-        return app
+        hot = {"/v1/chat/completions": ("chat", ChatCompletionRequest),
+               "/v1/completions": ("completions", CompletionRequest)}
+
+        async def asgi(scope, receive, send):
+            # The two generation endpoints are served as plain ASGI: per streamed token, the
+            # framework's middleware stack cost as much as the rest of the router together.
+            if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in hot:
+                kind, model = hot[scope["path"]]
+                await self._generation_endpoint(kind, model, scope, receive, send)
+            else:
+                await app(scope, receive, send)
+
+        asgi.fastapi = app
+        return asgi
 
     async def _validation_error(self, request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not isinstance(x, int)]
-        param = loc[0] if loc else None
-        message = str(err.get("msg", "invalid request"))
-        if err.get("type") == "json_invalid":
-            param, message = None, "the request body is not valid JSON"
-        elif not loc and err.get("type") in ("model_attributes_type", "dict_type"):
-            message = "the request body must be a JSON object"
-        elif not loc:  # a model validator: its message names the field first ("field: ...")
-            message = message.removeprefix("Value error, ")
-            if ":" in message:
-                param = message.split(":", 1)[0].split()[0]
-        text = f"{'.'.join(loc) or 'body'}: {message}" if loc else message.removeprefix("Value error, ")
+        error = _validation_to_openai(exc.errors())
         self.metrics.errors.labels("invalid_request").inc()
         self.metrics.requests.labels(request.url.path, "400").inc()
-        return JSONResponse(OpenAIError(400, text, param=param).body(), status_code=400)
+        return JSONResponse(error.body(), status_code=400)
 
     async def _openai_error(self, request: Request, exc: OpenAIError) -> JSONResponse:
         self.metrics.errors.labels(exc.code or exc.type).inc()
         self.metrics.requests.labels(request.url.path, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def _generation_endpoint(self, kind: str, model, scope, receive, send) -> None:
+        path = scope["path"]
+        try:
+            raw = await _read_body(receive)
+            try:
+                data = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                raise OpenAIError(400, "the request body is not valid JSON") from None
+            if not isinstance(data, dict):
+                raise OpenAIError(400, "the request body must be a JSON object")
+            try:
+                body = model.model_validate(data)
+            except ValidationError as e:
+                raise _validation_to_openai(e.errors()) from None
+            answer = await self._serve(kind, body)
+        except OpenAIError as e:
+            self.metrics.errors.labels(e.code or e.type).inc()
+            self.metrics.requests.labels(path, str(e.status)).inc()
+            await _send_json(send, e.status, e.body(), e.headers)
+            return
+        if isinstance(answer, dict):
+            await _send_json(send, 200, answer)
+        else:
+            await _send_sse(send, receive, answer)
 
     def _refresh_worker_gauges(self) -> None:
         m = self.metrics
@@ -154,7 +173,8 @@ class Router:
 
     # ---- serving ----------------------------------------------------------------------------
 
-    async def _serve(self, kind: str, body: ChatCompletionRequest | CompletionRequest):
+    async def _serve(self, kind: str, body: ChatCompletionRequest | CompletionRequest) -> dict | AsyncIterator[bytes]:
+        """The JSON response, or the SSE body to stream; errors before any output raise OpenAIError."""
         started = time.perf_counter()
         endpoint = f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}"
         if body.model != self.model_name:
@@ -194,9 +214,9 @@ class Router:
             # A client gone before the first byte: the body is never iterated, its finally never
             # runs; this settles the request when the unstarted generator is collected.
             weakref.finalize(body_iter, run.abandon, stream)
-            return StreamingResponse(body_iter, media_type="text/event-stream")
+            return body_iter
         try:
-            return JSONResponse(await run.collect(first, stream))
+            return await run.collect(first, stream)
         finally:
             await stream.aclose()
 
@@ -265,7 +285,7 @@ class _Run:
 
     def _record(self, index: int, msg: pb.GenerateResponse) -> tuple[Choice, str, list, int]:
         c = self.choices[index]
-        offset = len(c.prefix) + sum(len(t) for t in c.text)
+        offset = len(c.prefix) + c.text_len
         now = time.perf_counter()
         previous = c.last_token_at
         text, lps = c.add(msg, now)
@@ -347,6 +367,78 @@ class _Run:
             self._finish(status)
 
 
+def _validation_to_openai(errors: list) -> OpenAIError:
+    """A pydantic validation error as a 400 naming the field."""
+    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not isinstance(x, int)]
+    param = loc[0] if loc else None
+    message = str(err.get("msg", "invalid request"))
+    if err.get("type") == "json_invalid":
+        param, message = None, "the request body is not valid JSON"
+    elif not loc and err.get("type") in ("model_attributes_type", "dict_type"):
+        message = "the request body must be a JSON object"
+    elif not loc:  # a model validator: its message names the field first ("field: ...")
+        message = message.removeprefix("Value error, ")
+        if ":" in message:
+            param = message.split(":", 1)[0].split()[0]
+    text = f"{'.'.join(loc)}: {message}" if loc else message
+    return OpenAIError(400, text, param=param)
+
+
+_MAX_BODY = 64 << 20
+
+
+async def _read_body(receive) -> bytes:
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise OpenAIError(400, "the client closed the connection before sending its body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > _MAX_BODY:
+            raise OpenAIError(413, f"the request body is over {_MAX_BODY >> 20} MiB", code="request_too_large")
+        parts.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(parts)
+
+
+async def _send_json(send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+    data = orjson.dumps(body)
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _send_sse(send, receive, body: AsyncIterator[bytes]) -> None:
+    """Stream ``body``; a client disconnect cancels the streaming (and so the worker calls)."""
+    task = asyncio.current_task()
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        async for chunk in body:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()  # our own cancellation: the client left, nothing more to do
+    finally:
+        watcher.cancel()
+        await body.aclose()
+
+
 async def _next(stream):
     try:
         return await stream.__anext__()
@@ -361,6 +453,7 @@ async def _merge(streams: list[AsyncIterator[pb.GenerateResponse]]) -> AsyncIter
             async for msg in only:
                 yield 0, msg
         return
+    # (n > 1 or several prompts: each choice is pumped by a task into one queue)
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, s: AsyncIterator) -> None:

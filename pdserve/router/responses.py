@@ -28,10 +28,12 @@ class Choice:
     stop_reason: str | int | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    text_len: int = 0  # characters of generated text so far (logprobs' text offsets)
 
     def add(self, msg: pb.GenerateResponse, now: float) -> tuple[str, list[TokenLogprobs]]:
         """Record a message; return its text and logprobs."""
-        lps = logprobs_of(msg)
+        lps = logprobs_of(msg) if msg.logprobs else []
+        self.text_len += len(msg.text)
         self.text.append(msg.text)
         self.token_ids.extend(msg.token_ids)
         self.logprobs.extend(lps)
@@ -73,6 +75,7 @@ class Formatter:
         self.model = model
         self.chat = chat
         self.created = int(time.time())
+        self._heads: dict[int, bytes] = {}
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -137,6 +140,8 @@ class Formatter:
     def delta_chunk(self, c: Choice, text: str, lps: list[TokenLogprobs], want_logprobs: bool,
                     offset: int) -> bytes:
         finished = c.finish_reason is not None
+        if not finished and not (want_logprobs and lps):
+            return self._text_chunk(c.index, text)
         if self.chat:
             choice = {"index": c.index, "delta": {"content": text} if text else {},
                       "logprobs": self.chat_logprobs(lps) if want_logprobs and lps else None,
@@ -148,6 +153,17 @@ class Formatter:
         if finished:
             choice["stop_reason"] = c.stop_reason
         return sse(self._chunk([choice]))
+
+    def _text_chunk(self, index: int, text: str) -> bytes:
+        """The common chunk (text, no logprobs, not the last) from pre-serialised parts."""
+        head = self._heads.get(index)
+        if head is None:
+            body = self._chunk([{"index": index}])
+            head = self._heads[index] = orjson.dumps(body)[:-3]  # up to the choice's closing "}]}"
+        if self.chat:
+            return b"data: " + head + b',"delta":{"content":' + orjson.dumps(text) + \
+                b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        return b"data: " + head + b',"text":' + orjson.dumps(text) + b',"logprobs":null,"finish_reason":null}]}\n\n'
 
     def usage_chunk(self, use: dict) -> bytes:
         body = self._chunk([])

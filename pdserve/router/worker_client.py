@@ -16,7 +16,6 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import aclosing
 
 import grpc
 
@@ -95,10 +94,13 @@ async def dispatch(pool: WorkerPool, policy: Policy, request: pb.GenerateRequest
         call = worker.stub.Generate(request)
         started = False
         try:
-            async with aclosing(_stream(call, worker)) as messages:
-                async for msg in messages:
-                    started = True
-                    yield msg
+            first = await _first_message(call, worker)
+            if first is None:
+                return
+            started = True
+            yield first
+            while (msg := await call.read()) is not grpc.aio.EOF:  # read(): iteration and read() don't mix
+                yield msg
             return
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -123,10 +125,10 @@ class _WorkerDown(Exception):
     pass
 
 
-async def _stream(call, worker: WorkerHandle) -> AsyncIterator[pb.GenerateResponse]:
-    """The call's messages; until the first arrives, the worker leaving the rotation ends it."""
-    it = call.__aiter__()
-    first = asyncio.ensure_future(it.__anext__())
+async def _first_message(call, worker: WorkerHandle) -> pb.GenerateResponse | None:
+    """The call's first message (None if it ends without one); the worker leaving the rotation
+    before it arrives raises ``_WorkerDown``. Later messages are read from the call directly."""
+    first = asyncio.ensure_future(call.read())
     down = asyncio.ensure_future(worker.down.wait())
     try:
         done, _ = await asyncio.wait({first, down}, return_when=asyncio.FIRST_COMPLETED)
@@ -135,10 +137,5 @@ async def _stream(call, worker: WorkerHandle) -> AsyncIterator[pb.GenerateRespon
     if first not in done:
         first.cancel()
         raise _WorkerDown()
-    try:
-        msg = first.result()
-    except StopAsyncIteration:
-        return
-    yield msg
-    async for msg in it:
-        yield msg
+    msg = first.result()
+    return None if msg is grpc.aio.EOF else msg
