@@ -6,15 +6,16 @@
 Part 1, overhead: the same requests from 64 concurrent closed-loop clients (each sends its next
 request when the last one ends; their starts are staggered, so arrivals are spread as in a
 steady state) to the worker's gRPC directly, then through the router's HTTP API; TTFT and
-end-to-end latency percentiles of both, and what the router adds. By default the worker is the timing-only stand-in (``pdserve worker
-timing-only``: fake tokens at a fixed rate, each stamped with its send time), so both paths see
-identical worker timings; ``--model`` uses a real decode worker instead.
+end-to-end latency percentiles of both, and what the router adds. By default the worker is the
+timing-only stand-in (``pdserve worker timing-only``: fake tokens at a fixed rate, each stamped
+with its send time), so both paths see identical worker timings; ``--model`` uses a real decode
+worker instead.
 
 Part 2, capacity (timing-only worker): 256 concurrent closed-loop streams at rising token
 rates; for each, the delay from the worker stamping a token to the client receiving it,
-directly and through the router, after a warm-up second. The router's capacity is the highest relayed tokens/s at which it adds at most
-5 ms at p99. Client, router and worker share this machine's cores (in part 1 the router gets a
-core of its own: see --pin).
+directly and through the router, after a warm-up second. The router's capacity is the highest
+relayed tokens/s at which it adds at most 5 ms at p99. Client, router and worker share this
+machine's cores (in part 1 the router gets a core of its own: see --pin).
 
 Prints tables, writes JSON and a PNG plot to --result-dir.
 """
