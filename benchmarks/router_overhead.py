@@ -78,6 +78,9 @@ async def router_stream(client: HTTPClient, model: str, max_tokens: int, res: Re
     t0 = time.perf_counter()
     first = None
     async for now, data in client.stream_events("/v1/completions", body):
+        if data is None:
+            t0 = now  # when the request was written
+            continue
         if data == b"[DONE]":
             continue
         text = orjson.loads(data)["choices"][0]["text"]

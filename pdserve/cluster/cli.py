@@ -5,6 +5,7 @@
     pdserve chat                         an interactive chat, engine in this process
     pdserve router --worker ADDR ...     the router alone, in front of running workers
     pdserve worker decode --port P       one decode worker alone
+    pdserve bench --base-url URL         load-test any OpenAI-compatible server
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import logging
 import sys
 
+from pdserve.bench import cli as bench_cli
 from pdserve.cluster import offline_cli, serve_cli
 from pdserve.configs import ConfigError
 
@@ -24,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve_cli.add_commands(sub)
     offline_cli.add_commands(sub)
+    bench_cli.add_commands(sub)
     return parser
 
 

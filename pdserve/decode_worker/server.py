@@ -28,6 +28,7 @@ import grpc
 import pdserve
 from pdserve.configs import doc
 from pdserve.decode_worker import convert
+from pdserve.decode_worker.metrics import WorkerMetrics
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import InvalidRequestError
@@ -44,30 +45,54 @@ class WorkerConfig:
     host: str = doc("127.0.0.1", "address to serve gRPC on")
     port: int = doc(50051, "gRPC port (0: any free port)")
     worker_id: str = doc("", "name in load snapshots and logs (default: role-host-port)")
+    metrics_port: int | None = doc(None, "serve Prometheus metrics over HTTP on this port (default: off)")
     grace_s: float = doc(30.0, "on SIGTERM, how long in-flight requests may take to finish")
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
     role = "decode"
 
-    def __init__(self, engine: AsyncEngine, worker_id: str):
+    def __init__(self, engine: AsyncEngine, worker_id: str, metrics: WorkerMetrics | None = None):
         self.engine = engine
         self.worker_id = worker_id
         self.draining = False
+        self.metrics = metrics or WorkerMetrics()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
+        received = time.perf_counter()
+        first = last = None
         try:
             params = convert.sampling_from_proto(request.sampling)
             stream = self.engine.generate(request.request_id, list(request.prompt_token_ids), params,
                                           request.cache_salt or None)
             async for out in stream:
+                if out.new_token_ids:
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                        self.metrics.ttft.observe(now - received)
+                    else:
+                        self.metrics.itl.observe(now - last)
+                    last = now
+                if out.finished:
+                    self._finished(out, received, first, last)
                 yield convert.output_to_proto(out)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.encode_invalid(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+
+    def _finished(self, out, received: float, first: float | None, last: float | None) -> None:
+        m = self.metrics
+        m.requests.labels(out.finish_reason or "unknown").inc()
+        m.prompt_tokens.inc(out.num_prompt_tokens)
+        m.generation_tokens.inc(out.num_output_tokens)
+        if last is not None:
+            m.e2e.observe(last - received)
+            if out.num_output_tokens > 1:
+                m.tpot.observe((last - first) / (out.num_output_tokens - 1))
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         for request_id in request.request_ids:
@@ -117,6 +142,10 @@ async def serve(engine: LLMEngine, config: WorkerConfig, ready: asyncio.Event | 
     servicer = WorkerServicer(async_engine, worker_id)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     await server.start()
+    if config.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(config.metrics_port, addr=config.host, registry=servicer.metrics.registry)
     log.info("decode worker %s serving %s on %s:%d", worker_id, engine.model_name, config.host, port)
     print(f"PDSERVE_WORKER_READY {config.host}:{port}", flush=True)  # for launchers waiting on stdout
     stop = asyncio.Event()

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                   2.5, 5.0)
 
 
@@ -26,15 +26,15 @@ class RouterMetrics:
         self.errors = Counter("pdserve_router_errors", "Errors, by type", ["type"], registry=r)
         self.in_flight = Gauge("pdserve_router_requests_in_flight", "Requests being served", registry=r)
         self.ttft = Histogram("pdserve_router_time_to_first_token_seconds", "Request received to first token sent",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+                              buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pdserve_router_inter_token_latency_seconds",
-                             "Gap between consecutive token-bearing messages of a choice", buckets=_TOKEN_BUCKETS,
+                             "Gap between consecutive token-bearing messages of a choice", buckets=TOKEN_BUCKETS,
                              registry=r)
         self.tpot = Histogram("pdserve_router_time_per_output_token_seconds",
                               "(end-to-end - TTFT) / (output tokens - 1), per choice of 2+ tokens",
-                              buckets=_TOKEN_BUCKETS, registry=r)
+                              buckets=TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve_router_e2e_request_latency_seconds", "Request received to last byte sent",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                             buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens of answered requests",
                                      registry=r)
         self.generation_tokens = Counter("pdserve_router_generation_tokens", "Tokens generated and sent",

@@ -1,0 +1,30 @@
+"""A worker's Prometheus metrics (served on ``--metrics-port`` when given).
+
+The latency histograms have the router's definitions (router/metrics.py), measured from the
+moment the worker receives a request: the difference between the router's and the worker's
+is what routing and the network add.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from pdserve.router.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("pdserve_worker_requests", "Requests finished, by finish reason", ["reason"],
+                                registry=r)
+        self.ttft = Histogram("pdserve_worker_time_to_first_token_seconds", "Request received to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_worker_inter_token_latency_seconds", "Gap between consecutive token "
+                             "messages of a request", buckets=TOKEN_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_worker_time_per_output_token_seconds", "(end-to-end - TTFT) / (output "
+                              "tokens - 1), for 2+ tokens", buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_worker_e2e_request_latency_seconds", "Request received to last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve_worker_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve_worker_generation_tokens", "Tokens generated", registry=r)
