@@ -39,6 +39,7 @@ class BenchConfig:
     suffix_len: int = doc(32, "prefix: random tokens after the prefix")
     chat_turns: int = doc(4, "chat: turns per conversation")
     chat_user_words: int = doc(30, "chat: mean words per user turn")
+    max_output_len: int = doc(0, "cap on any request's output tokens (0: none)")
     temperature: float = doc(0.0, "sampling temperature of every request")
     ignore_eos: bool = doc(True, "ask the server to ignore EOS so outputs have their requested lengths")
     seed: int = doc(0, "seed of the workload and of the arrival times")

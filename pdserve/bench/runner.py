@@ -50,6 +50,14 @@ def vocab_range(tokenizer) -> tuple[int, int]:
 
 
 def build_workload(config: BenchConfig, tokenizer) -> list[WorkItem]:
+    items = _workload(config, tokenizer)
+    if config.max_output_len:
+        for item in items:
+            item.output_len = min(item.output_len or config.max_output_len, config.max_output_len)
+    return items
+
+
+def _workload(config: BenchConfig, tokenizer) -> list[WorkItem]:
     n, seed = config.num_prompts, config.seed
     if config.duration and config.request_rate != math.inf:
         n = max(n, int(config.request_rate * config.duration * 1.5) + 10)
