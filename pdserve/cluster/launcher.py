@@ -34,8 +34,19 @@ class WorkerProcess:
 
 def start_worker(role: str, args: list[str], env: dict[str, str] | None = None) -> WorkerProcess:
     cmd = [sys.executable, "-m", "pdserve.cluster.cli", "worker", role, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+                            preexec_fn=_die_with_parent)
     return WorkerProcess(role, proc)
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the launcher dies, even by SIGKILL (Linux), so no worker
+    outlives the command that started it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def wait_ready(workers: list[WorkerProcess], timeout_s: float = 600.0) -> None:

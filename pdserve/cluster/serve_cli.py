@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 
 from pdserve.configs import add_arguments, collect_arguments, from_dict, to_flags
 from pdserve.engine.config import EngineConfig
@@ -58,6 +59,19 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM becomes SystemExit, so ``finally`` blocks (stopping the workers) run.
+
+    uvicorn takes SIGTERM while it serves and, once shut down, raises it again with the
+    handler it found: with the default one the process would die before its cleanup.
+    """
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready
     from pdserve.router.app import RouterConfig
@@ -70,6 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if engine.num_threads is None:
         engine_options["num_threads"] = max(1, (os.cpu_count() or 1) // args.decode)
     flags = to_flags({**engine_options, "load_progress": False})
+    _exit_on_sigterm()
     workers = [start_worker("decode", ["--host", "127.0.0.1", "--port", "0", *flags]) for _ in range(args.decode)]
     try:
         log.info("starting %d decode worker(s) with %s", args.decode, engine.model)

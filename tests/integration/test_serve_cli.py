@@ -1,0 +1,72 @@
+"""`pdserve serve` as a user runs it: it serves, and stops all its processes on SIGTERM or SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def stat(pid: int | str) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name, or None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def children(pid: int) -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and (s := stat(e)) and int(s[1]) == pid]
+
+
+def alive(pid: int) -> bool:
+    s = stat(pid)
+    return s is not None and s[0] != "Z"
+
+
+def start_serve(*flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "serve", "--port",
+                             str(port), "--model", "random:tiny", "--num-kv-blocks", "64", *flags])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    raise TimeoutError("pdserve serve did not become ready")
+
+
+def wait_gone(pids: list[int], seconds: float = 40) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(alive(p) for p in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_serve_stops_every_process(sig):
+    proc, url = start_serve("--decode", "2")
+    workers = children(proc.pid)
+    assert len(workers) == 2
+    r = httpx.post(url + "/v1/completions", json={"model": "random:tiny", "prompt": "hi", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200
+    proc.send_signal(sig)
+    proc.wait(60)
+    assert wait_gone(workers), "a worker outlived pdserve serve"
