@@ -74,6 +74,7 @@ def load_kernels() -> ctypes.CDLL | None:
         "rms_norm_f32": [ptr] * 5 + [i64] * 2 + [f32],
         "silu_mul_f32": [ptr] * 2 + [i64] * 2,
         "write_kv_f32": [ptr] * 6 + [i64] * 6,
+        "gemv_f32": [ptr] * 3 + [i64] * 2,
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -125,6 +126,14 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     rows, two_n = gate_up.shape
     out = torch.empty(rows, two_n // 2, dtype=gate_up.dtype)
     lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, two_n // 2)
+    return out
+
+
+def gemv(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for one row: ``weight`` ``[n, k]`` contiguous, ``x`` ``[1, k]``."""
+    n, k = weight.shape
+    out = torch.empty(1, n, dtype=x.dtype)
+    lib.gemv_f32(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k)
     return out
 
 

@@ -23,11 +23,11 @@ from pdserve.engine.cpu_kernels import usable
 class Linear(nn.Module):
     """``y = x W^T`` (no bias), W of shape ``[out, in]`` as in Hugging Face checkpoints.
 
-    On CPU, ``prepare_for_cpu`` stores W transposed (``W^T`` contiguous, ``[in, out]``) and
-    splits the output columns across threads: ``bmm`` runs one single-threaded GEMM per part,
-    which measured 10-40% faster than one multi-threaded ``mm`` for the batch sizes of decode
-    and mixed steps (up to ~512 rows) on the 2-core development machines, and about twice as
-    fast at one row (see benchmarks/engine_throughput.py). Larger batches use one ``mm``.
+    On CPU (after ``prepare_for_cpu``): one row (single-request decode) goes through a C gemv
+    that streams W's rows, split across threads; up to ``SPLIT_MAX_ROWS`` rows, W's rows are
+    split into one contiguous half per thread and ``bmm`` runs one single-threaded GEMM each,
+    which measured 10-40% faster than one multi-threaded ``mm`` on the 2-core development
+    machines; larger batches use one ``mm``. See benchmarks/engine_throughput.py.
     """
 
     SPLIT_MAX_ROWS = 512
@@ -36,23 +36,22 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.parts = 1
-        self.transposed = False
+        self.kernels = None
 
-    def prepare_for_cpu(self, parts: int) -> None:
-        wt = self.weight.detach().t().contiguous()
-        self.weight = nn.Parameter(wt.t(), requires_grad=False)  # same shape, [in, out] in memory
-        self.transposed = True
+    def prepare_for_cpu(self, parts: int, kernels) -> None:
+        self.weight = nn.Parameter(self.weight.detach().contiguous(), requires_grad=False)
         self.parts = parts if parts > 1 and self.weight.shape[0] % parts == 0 else 1
+        self.kernels = kernels if self.weight.dtype == torch.float32 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.transposed:
-            return F.linear(x, self.weight)
-        wt = self.weight.t()
         rows = x.shape[0]
+        if rows == 1 and self.kernels is not None and x.is_contiguous():
+            return cpu_kernels.gemv(self.kernels, self.weight, x)
         if self.parts == 1 or rows > self.SPLIT_MAX_ROWS:
-            return x @ wt
-        k, n = wt.shape
-        out = torch.bmm(x.expand(self.parts, rows, k), wt.view(k, self.parts, n // self.parts).transpose(0, 1))
+            return F.linear(x, self.weight)
+        n, k = self.weight.shape
+        halves = self.weight.view(self.parts, n // self.parts, k).transpose(1, 2)
+        out = torch.bmm(x.expand(self.parts, rows, k), halves)  # [parts, rows, n / parts]
         return out.transpose(0, 1).reshape(rows, n)
 
 
@@ -200,17 +199,14 @@ class LlamaForCausalLM(nn.Module):
         kernels = cpu_kernels.load_kernels() if self.embed_tokens.weight.dtype == torch.float32 else None
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepare_for_cpu(threads)
+                module.prepare_for_cpu(threads, kernels)
             elif isinstance(module, (RMSNorm, MLP)):
                 module.kernels = kernels
         if self.config.tie_word_embeddings:
             self.embed_tokens.weight = self.lm_head.weight
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight
-        if not w.is_contiguous() and w.t().is_contiguous():  # shared with a transposed lm_head
-            return w.t().index_select(1, input_ids).t().contiguous()
-        return F.embedding(input_ids, w)
+        return F.embedding(input_ids, self.embed_tokens.weight)
 
     def forward(
         self,

@@ -177,3 +177,36 @@ void write_kv_f32(const float *k, const float *v, float *k_cache, float *v_cache
         }
     }
 }
+
+/* y[n] = W[n, k] x[k] for one row of activations (single-request decode): each thread streams
+ * its share of W's rows front to back, four rows at a time sharing the loads of x. Reading W
+ * is the whole cost; this keeps the hardware prefetchers on long sequential runs. */
+void gemv_f32(const float *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t k) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i += 4) {
+        if (n - i >= 4) {
+            const float *w0 = w + i * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (int64_t j = 0; j < k; j++) {
+                const float xj = x[j];
+                a0 += w0[j] * xj;
+                a1 += w1[j] * xj;
+                a2 += w2[j] * xj;
+                a3 += w3[j] * xj;
+            }
+            y[i] = a0;
+            y[i + 1] = a1;
+            y[i + 2] = a2;
+            y[i + 3] = a3;
+        } else {
+            for (int64_t r = i; r < n; r++) {
+                const float *wr = w + r * k;
+                float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+                for (int64_t j = 0; j < k; j++) a += wr[j] * x[j];
+                y[r] = a;
+            }
+        }
+    }
+}
