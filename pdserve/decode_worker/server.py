@@ -16,6 +16,7 @@ on a forward pass.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -133,6 +134,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
 async def serve(engine: LLMEngine, config: WorkerConfig, ready: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain for up to ``grace_s`` and stop."""
+    gc.collect()
+    gc.freeze()  # the model and the engine live as long as the process: keep them out of full GC passes
     async_engine = AsyncEngine(engine)
     async_engine.start()
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20),

@@ -10,6 +10,7 @@ worker calls, which aborts the requests there.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 import uuid
@@ -81,6 +82,10 @@ class Router:
         @asynccontextmanager
         async def lifespan(_app):
             await self.pool.start()
+            # Everything alive now lives as long as the router: keep it out of the collector's
+            # full passes, which otherwise pause the event loop for tens of ms (seen as TTFT p99).
+            gc.collect()
+            gc.freeze()
             yield
             await self.pool.close()
 
