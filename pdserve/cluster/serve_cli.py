@@ -19,13 +19,18 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from pdserve.decode_worker.server import WorkerConfig, serve
+    from pdserve.decode_worker.server import WorkerConfig, WorkerServicer, serve
     from pdserve.engine.engine import LLMEngine
 
     config = _engine_config(args)
     worker = from_dict(WorkerConfig, collect_arguments(args, WorkerConfig))
     engine = LLMEngine(config)
-    asyncio.run(serve(engine, worker))
+    servicer = WorkerServicer
+    if args.role == "prefill":
+        from pdserve.prefill_worker.server import PrefillServicer
+
+        servicer = PrefillServicer
+    asyncio.run(serve(engine, worker, servicer))
     return 0
 
 
@@ -120,10 +125,16 @@ def add_commands(sub) -> None:
     worker = sub.add_parser("worker", help="run one worker alone",
                             description="A worker process hosting the engine behind gRPC.")
     roles = worker.add_subparsers(dest="role", required=True)
-    decode = roles.add_parser("decode", help="a decode worker (prefills its own prompts: colocated serving)")
+    decode = roles.add_parser("decode", help="a decode worker (receives KV from prefill workers, or prefills "
+                                             "its own prompts)")
     add_arguments(decode.add_argument_group("worker"), WorkerConfig)
     add_arguments(decode.add_argument_group("engine"), EngineConfig)
     decode.set_defaults(func=cmd_worker)
+    prefill = roles.add_parser("prefill", help="a prefill worker (computes prompts, sends their KV to decode "
+                                               "workers)")
+    add_arguments(prefill.add_argument_group("worker"), WorkerConfig)
+    add_arguments(prefill.add_argument_group("engine"), EngineConfig)
+    prefill.set_defaults(func=cmd_worker)
 
     from pdserve.bench.timing_worker import TimingWorkerConfig
 

@@ -28,3 +28,14 @@ class WorkerMetrics:
         self.prompt_tokens = Counter("pdserve_worker_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=r)
         self.generation_tokens = Counter("pdserve_worker_generation_tokens", "Tokens generated", registry=r)
+        # KV transfers, decode side (receiving)
+        self.kv_transfers = Counter("pdserve_kv_transfers", "Reserved requests resumed, by outcome (ok: the KV "
+                                    "landed; recomputed: the prompt was computed here)", ["outcome"], registry=r)
+        self.kv_failures = Counter("pdserve_kv_transfer_failures", "Transfers that failed, by reason", ["reason"],
+                                   registry=r)
+        self.kv_bytes = Counter("pdserve_kv_transfer_received_bytes", "KV bytes received", registry=r)
+        self.kv_transfer_time = Histogram("pdserve_kv_transfer_seconds", "First chunk to commit, per transfer",
+                                          buckets=LATENCY_BUCKETS, registry=r)
+        # KV transfers, prefill side (sending)
+        self.kv_sent = Counter("pdserve_kv_transfer_sent", "Transfers sent, by outcome", ["outcome"], registry=r)
+        self.kv_sent_bytes = Counter("pdserve_kv_transfer_sent_bytes", "KV bytes sent", registry=r)

@@ -1,16 +1,24 @@
 """The decode worker: the engine behind the ``Worker`` gRPC service.
 
-Lifecycle of a request through this worker (colocated serving: it prefills its own prompts)::
+A request's lifecycle through this worker::
 
-    router --Generate(prompt ids, sampling)--> handler: validate, AsyncEngine.generate()
-        engine loop thread: queue -> scheduled -> prefill chunks + decode steps
+    colocated (it prefills its own prompt):
+      router --Generate(prompt, sampling)--> AsyncEngine.generate -> prefill chunks, decode steps
         each step's delta --> GenerateResponse on the stream --> router
-    finished (stop / length)  -> last message has finish_reason, blocks back to the prefix cache
-    caller gone (cancelled)   -> the handler's iteration stops -> the engine aborts the request
-    Drain()                   -> new Generate calls refused (UNAVAILABLE), in-flight ones finish
 
-The gRPC server runs on asyncio; the engine steps in its own thread, so serving never blocks
-on a forward pass.
+    disaggregated (the prompt's KV comes from a prefill worker):
+      router --Reserve(prompt)--> blocks reserved (a local prefix hit is kept), lease started
+      prefill worker --PushKV(layer chunks, commit)--> written into the reserved blocks
+      router --Generate(kv_handle, output_token_ids=[first token])--> wait for the transfer:
+        landed        -> prompt counted as computed, decoding starts after the first token
+        failed/expired -> the prompt is computed here (same output), counted by reason
+      no Generate within the lease -> the reservation is released
+
+    continuation (a decode worker was lost): Generate(prompt, output_token_ids=tokens so far)
+    finished -> last message has finish_reason; blocks back to the prefix cache
+    caller gone -> the request is aborted; Drain() -> new requests refused, in-flight ones finish
+
+The gRPC server runs on asyncio; the engine steps in its own thread.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from pdserve.decode_worker.metrics import WorkerMetrics
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.kvtransfer.base import KVLayout, TransferError
+from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
 
@@ -48,16 +58,32 @@ class WorkerConfig:
     worker_id: str = doc("", "name in load snapshots and logs (default: role-host-port)")
     metrics_port: int | None = doc(None, "serve Prometheus metrics over HTTP on this port (default: off)")
     grace_s: float = doc(30.0, "on SIGTERM, how long in-flight requests may take to finish")
+    kv_lease_ms: int = doc(10000, "decode: how long reserved blocks wait for their KV before computing locally")
+    kv_fault: str = doc("", "prefill, tests only: inject a transfer fault (drop:LAYER, corrupt:LAYER, "
+                            "stall:SECONDS)")
+
+
+def engine_layout(engine: LLMEngine) -> KVLayout:
+    cfg = engine.model_config
+    return KVLayout(engine.loaded.fingerprint, engine.config.dtype, engine.block_size, cfg.num_layers,
+                    cfg.num_kv_heads, cfg.head_dim)
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
     role = "decode"
 
-    def __init__(self, engine: AsyncEngine, worker_id: str, metrics: WorkerMetrics | None = None):
+    def __init__(self, engine: AsyncEngine, worker_id: str, config: WorkerConfig, address: str):
         self.engine = engine
         self.worker_id = worker_id
+        self.config = config
+        self.address = address
         self.draining = False
-        self.metrics = metrics or WorkerMetrics()
+        self.metrics = WorkerMetrics()
+        self.layout = engine_layout(engine.engine)
+        self.receiver = KVReceiver(engine.engine.runner.kv_cache, self.layout)
+        self._resumed: set[str] = set()
+
+    # ---- generation ---------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.draining:
@@ -65,9 +91,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         received = time.perf_counter()
         first = last = None
         try:
-            params = convert.sampling_from_proto(request.sampling)
-            stream = self.engine.generate(request.request_id, list(request.prompt_token_ids), params,
-                                          request.cache_salt or None)
+            stream = await self._start(request)
             async for out in stream:
                 if out.new_token_ids:
                     now = time.perf_counter()
@@ -84,6 +108,35 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.encode_invalid(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except TransferError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    async def _start(self, request: pb.GenerateRequest):
+        params = convert.sampling_from_proto(request.sampling)
+        outputs = list(request.output_token_ids)
+        if not request.kv_handle:
+            return self.engine.generate(request.request_id, list(request.prompt_token_ids), params,
+                                        request.cache_salt or None, output_token_ids=outputs)
+        handle = request.kv_handle
+        self._resumed.add(handle)
+        ok, reason = await self.receiver.wait(handle)
+        incoming = self.receiver.release(handle)
+        self._count_transfer(incoming, ok, reason)
+        return self.engine.resume(handle, ok, outputs)
+
+    def _count_transfer(self, incoming, ok: bool, reason: str | None) -> None:
+        m = self.metrics
+        m.kv_transfers.labels("ok" if ok else "recomputed").inc()
+        if incoming is None:
+            return
+        if ok:
+            m.kv_bytes.inc(incoming.bytes)
+            if incoming.started is not None:
+                m.kv_transfer_time.observe(time.monotonic() - incoming.started)
+        else:
+            m.kv_failures.labels(reason or "unknown").inc()
+            log.warning("request %s: KV transfer failed (%s: %s); computing the prompt here", incoming.handle,
+                        reason, incoming.error)
 
     def _finished(self, out, received: float, first: float | None, last: float | None) -> None:
         m = self.metrics
@@ -92,12 +145,67 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         m.generation_tokens.inc(out.num_output_tokens)
         if last is not None:
             m.e2e.observe(last - received)
-            if out.num_output_tokens > 1:
+            if out.num_output_tokens > 1 and first is not None and last > first:
                 m.tpot.observe((last - first) / (out.num_output_tokens - 1))
+
+    # ---- remote prefill: the receiving side -----------------------------------------------------
+
+    async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
+        try:
+            params = convert.sampling_from_proto(request.sampling)
+            got = await self.engine.reserve(request.request_id, list(request.prompt_token_ids), params,
+                                            request.cache_salt or None)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.encode_invalid(e))
+        if got is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker {self.worker_id}: no KV blocks free")
+        block_ids, cached = got
+        lease_s = (request.lease_ms or self.config.kv_lease_ms) / 1000
+        self.receiver.expect(request.request_id, block_ids, cached // self.layout.block_size, lease_s)
+        return pb.ReserveResponse(handle=request.request_id, cached_tokens=cached, layout=self.layout.to_proto(pb),
+                                  kv_address=self.address, backend="grpc")
+
+    async def PushKV(self, request_iterator, context) -> pb.PushKVResponse:
+        handle = None
+        try:
+            async for chunk in request_iterator:
+                if handle is None:
+                    handle = chunk.handle
+                    self.receiver.begin(handle, KVLayout.from_proto(chunk.layout))
+                if chunk.commit:
+                    self.receiver.commit(handle)
+                    return pb.PushKVResponse(ok=True)
+                self.receiver.chunk(handle, chunk.layer, chunk.first_block, chunk.keys, chunk.values, chunk.checksum)
+            if handle is not None:
+                self.receiver.fail(handle, "stream_broken", "the stream ended without a commit")
+            return pb.PushKVResponse(ok=False, error="the stream ended without a commit")
+        except TransferError as e:
+            return pb.PushKVResponse(ok=False, error=f"{e.reason}: {e}")
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            if handle is not None:
+                self.receiver.fail(handle, "stream_broken", "the sender went away mid-transfer")
+            raise
+
+    async def sweep_expired(self) -> None:
+        """Release reservations nobody resumed within their lease (plus a grace second)."""
+        while True:
+            await asyncio.sleep(1.0)
+            for handle in self.receiver.expired(time.monotonic() - 1.0):
+                if handle not in self._resumed:
+                    self.receiver.release(handle)
+                    self.engine.abort(handle)
+                    self.metrics.kv_failures.labels("never_resumed").inc()
+                    log.warning("request %s: reservation expired unused; blocks released", handle)
+            self._resumed &= self.receiver.handles()
+
+    # ---- the rest of the service -------------------------------------------------------------
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         for request_id in request.request_ids:
             self.engine.abort(request_id)
+            self.receiver.release(request_id)
         return pb.AbortResponse(aborted=len(request.request_ids))
 
     async def Health(self, request, context) -> pb.HealthResponse:
@@ -111,8 +219,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def snapshot(self) -> pb.LoadSnapshot:
         s = self.engine.stats()
         return pb.LoadSnapshot(
-            worker_id=self.worker_id, role=self.role, num_running=s.num_running, num_waiting=s.num_waiting,
-            num_kv_blocks=s.num_kv_blocks, num_free_kv_blocks=s.num_free_kv_blocks, kv_usage=s.kv_usage,
+            worker_id=self.worker_id, role=self.role, num_running=s.num_running,
+            num_waiting=s.num_waiting + s.num_waiting_remote_kv, num_kv_blocks=s.num_kv_blocks,
+            num_free_kv_blocks=s.num_free_kv_blocks, kv_usage=s.kv_usage,
             generation_tokens_per_s=self.engine.generation_rate(), prompt_tokens_total=s.prompt_tokens,
             generation_tokens_total=s.generation_tokens, waiting_prompt_tokens=s.waiting_prompt_tokens,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
@@ -123,7 +232,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         engine = self.engine.engine
         return pb.WorkerInfo(
             worker_id=self.worker_id, role=self.role, model=engine.model_name,
-            model_fingerprint=engine.model_config.fingerprint(), max_model_len=engine.max_model_len,
+            model_fingerprint=self.layout.model_fingerprint, max_model_len=engine.max_model_len,
             block_size=engine.block_size, version=pdserve.__version__,
         )
 
@@ -132,36 +241,37 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.DrainResponse(remaining=self.engine.num_active)
 
 
-async def serve(engine: LLMEngine, config: WorkerConfig, ready: asyncio.Event | None = None) -> None:
+async def serve(engine: LLMEngine, config: WorkerConfig, servicer_cls: type[WorkerServicer] = WorkerServicer) -> None:
     """Serve until SIGTERM/SIGINT, then drain for up to ``grace_s`` and stop."""
     gc.collect()
     gc.freeze()  # the model and the engine live as long as the process: keep them out of full GC passes
     async_engine = AsyncEngine(engine)
     async_engine.start()
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20),
-                                      ("grpc.max_receive_message_length", 64 << 20)])
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 256 << 20),
+                                      ("grpc.max_receive_message_length", 256 << 20)])
     port = server.add_insecure_port(f"{config.host}:{config.port}")
-    worker_id = config.worker_id or f"decode-{config.host}-{port}-{uuid.uuid4().hex[:4]}"
-    servicer = WorkerServicer(async_engine, worker_id)
+    role = servicer_cls.role
+    worker_id = config.worker_id or f"{role}-{config.host}-{port}-{uuid.uuid4().hex[:4]}"
+    servicer = servicer_cls(async_engine, worker_id, config, f"{config.host}:{port}")
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     await server.start()
+    sweeper = asyncio.create_task(servicer.sweep_expired())
     if config.metrics_port is not None:
         from prometheus_client import start_http_server
 
         start_http_server(config.metrics_port, addr=config.host, registry=servicer.metrics.registry)
-    log.info("decode worker %s serving %s on %s:%d", worker_id, engine.model_name, config.host, port)
+    log.info("%s worker %s serving %s on %s:%d", role, worker_id, engine.model_name, config.host, port)
     print(f"PDSERVE_WORKER_READY {config.host}:{port}", flush=True)  # for launchers waiting on stdout
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if ready is not None:
-        ready.set()
     await stop.wait()
     servicer.draining = True
     deadline = time.monotonic() + config.grace_s
     while async_engine.num_active and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
+    sweeper.cancel()
     await server.stop(grace=1.0)
     async_engine.shutdown()
-    log.info("decode worker %s stopped (pid %d)", worker_id, os.getpid())
+    log.info("%s worker %s stopped (pid %d)", role, worker_id, os.getpid())

@@ -68,21 +68,67 @@ class AsyncEngine:
     # ---- requests -----------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
+        output_token_ids: list[int] = (),
     ) -> AsyncIterator[RequestOutput]:
-        """Deltas of one request until it finishes; leaving early aborts it."""
-        if self.error is not None:
-            raise EngineDeadError(f"engine loop stopped: {self.error!r}")
-        with self._lock:
-            if request_id in self._streams:
-                from pdserve.engine.sampling_params import InvalidRequestError
+        """Deltas of one request until it finishes; leaving early aborts it.
 
-                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-            request = self.engine.make_request(request_id, prompt, params, cache_salt)
-            stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
-            self._streams[request_id] = stream
+        ``output_token_ids``: tokens already generated elsewhere (see LLMEngine.make_request).
+        """
+        self._check_alive()
+        with self._lock:
+            self._check_free(request_id)
+            request = self.engine.make_request(request_id, prompt, params, cache_salt,
+                                               output_token_ids=output_token_ids)
+            stream = self._open(request_id)
         self._commands.put(("add", request))
         self._wake.set()
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def reserve(
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> tuple[list[int], int] | None:
+        """Reserve blocks for a prompt whose KV will be written from outside.
+
+        Returns (block ids, tokens already cached here), or None when there is no room.
+        """
+        self._check_alive()
+        with self._lock:
+            self._check_free(request_id)
+            request = self.engine.make_request(request_id, prompt, params, cache_salt)
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("reserve", (request, future)))
+        self._wake.set()
+        return await future
+
+    async def resume(self, request_id: str, kv_ok: bool, output_token_ids: list[int]) -> AsyncIterator[RequestOutput]:
+        """Stream a reserved request: its KV landed (``kv_ok``) or it computes its prompt here."""
+        self._check_alive()
+        with self._lock:
+            self._check_free(request_id)
+            stream = self._open(request_id)
+        self._commands.put(("resume", (request_id, kv_ok, list(output_token_ids), stream)))
+        self._wake.set()
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop stopped: {self.error!r}")
+
+    def _check_free(self, request_id: str) -> None:
+        if request_id in self._streams:
+            from pdserve.engine.sampling_params import InvalidRequestError
+
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+
+    def _open(self, request_id: str) -> _Stream:
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        return stream
+
+    async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -150,8 +196,22 @@ class AsyncEngine:
                     live = request.request_id in self._streams
                 if live:  # the caller may have gone before its request got here
                     self.engine.add(request)
+            elif kind == "reserve":
+                request, future = arg
+                blocks = self.engine.reserve_remote_request(request)
+                result = None if blocks is None else (blocks, request.num_computed_tokens)
+                future.get_loop().call_soon_threadsafe(_resolve, future, result)
+            elif kind == "resume":
+                self._resume(*arg)
             else:
                 self._deliver(self.engine.abort_request(arg))
+
+    def _resume(self, request_id: str, kv_ok: bool, output_token_ids: list[int], stream: _Stream) -> None:
+        if request_id not in self.engine.scheduler.remote:  # the lease ran out first: nothing to resume
+            aborted = _aborted(request_id, "the KV reservation expired before the request resumed")
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, aborted)
+            return
+        self.engine.finish_remote_kv(request_id, kv_ok, output_token_ids)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
@@ -167,6 +227,16 @@ class AsyncEngine:
             self._recent.append((time.monotonic(), tokens))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
+
+
+def _resolve(future: asyncio.Future, result) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _aborted(request_id: str, why: str) -> RequestOutput:
+    return RequestOutput(request_id=request_id, new_token_ids=[], new_text="", finished=True, finish_reason="abort",
+                         stop_reason=why)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -94,15 +94,27 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        output_token_ids: list[int] = (),
     ) -> Request:
-        """Validate and build a request (not yet queued)."""
+        """Validate and build a request (not yet queued).
+
+        ``output_token_ids``: tokens already generated for it elsewhere; only what follows them
+        is reported (a continuation after a lost decode worker, or after remote prefill).
+        """
         if request_id in self.scheduler.requests or request_id in self._text:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(ids, params)
-        return Request(
+        request = Request(
             request_id, ids, params, self.tokenizer.eos_token_ids, cache_salt, self.max_model_len, arrival_time
         )
+        if output_token_ids:
+            self._check_ids(list(output_token_ids), "output_token_ids")
+            if len(ids) + len(output_token_ids) >= self.max_model_len:
+                raise InvalidRequestError("output_token_ids", "prompt and earlier output fill the context",
+                                          code="context_length_exceeded")
+            request.add_prior_outputs(list(output_token_ids), self.model_config.vocab_size)
+        return request
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         n = len(ids)
@@ -118,12 +130,15 @@ class LLMEngine:
                 "max_tokens", f"this model's context is {self.max_model_len} tokens; the prompt has {n} and "
                 f"max_tokens asks for {params.max_tokens} more", code="context_length_exceeded",
             )
+        self._check_ids(ids, "prompt")
+        if cdiv(n + 1, self.block_size) > self.kv.num_blocks:
+            raise InvalidRequestError("prompt", f"{n} tokens do not fit in the KV cache ({self.kv.num_blocks} blocks)")
+
+    def _check_ids(self, ids: list[int], field: str) -> None:
         vocab = self.model_config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequestError("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if cdiv(n + 1, self.block_size) > self.kv.num_blocks:
-            raise InvalidRequestError("prompt", f"{n} tokens do not fit in the KV cache ({self.kv.num_blocks} blocks)")
+            raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary [0, {vocab})")
 
     def add_request(
         self,
@@ -149,21 +164,24 @@ class LLMEngine:
             self._track(request)
         return block_ids
 
-    def finish_remote_kv(self, request_id: str, ok: bool, output_token_ids: list[int] = ()) -> list[RequestOutput]:
-        """The KV of a reserved request landed (ok) or not (recompute); it joins the queue.
+    def finish_remote_kv(self, request_id: str, ok: bool, output_token_ids: list[int] = ()) -> None:
+        """The KV of a reserved request landed (ok) or not (recompute here); it joins the queue.
 
-        ``output_token_ids`` were sampled elsewhere; their text is reported now.
+        ``output_token_ids`` were sampled elsewhere (the prefill worker's first token) and
+        already reported there; generation continues after them.
         """
-        self.scheduler.finish_remote_kv(request_id, ok, output_token_ids)
         request = self.scheduler.requests[request_id]
-        if not output_token_ids:
-            return []
-        return self._process([CoreOutput(request, list(output_token_ids), None, False)])
+        self._check_ids(list(output_token_ids), "output_token_ids")
+        self.scheduler.finish_remote_kv(request_id, ok)
+        request.add_prior_outputs(list(output_token_ids), self.model_config.vocab_size)
+        self._text[request_id].detokenizer = self.tokenizer.detokenizer(
+            request.sampling_params.skip_special_tokens, request.output_token_ids)
 
     def _track(self, request: Request) -> None:
         p = request.sampling_params
         hold = max((len(s) for s in p.stop), default=1) - 1
-        self._text[request.request_id] = _TextState(self.tokenizer.detokenizer(p.skip_special_tokens), p.stop, hold)
+        detokenizer = self.tokenizer.detokenizer(p.skip_special_tokens, request.output_token_ids)
+        self._text[request.request_id] = _TextState(detokenizer, p.stop, hold)
         self._counters["prompt_tokens"] += request.num_prompt_tokens
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:

@@ -25,6 +25,7 @@ class LoadedModel:
     config: ModelConfig
     source: ModelSource
     load_seconds: float
+    fingerprint: str = ""  # the shape, the weights' origin and the seed: workers exchanging KV must agree
 
 
 def load_model(
@@ -45,7 +46,19 @@ def load_model(
         cfg, weights = source.shape, None
         tokenizer = _default_tokenizer()
     model = build_model(cfg, weights, dtype, device, max_positions, seed)
-    return LoadedModel(model, tokenizer, cfg, source, time.perf_counter() - start)
+    return LoadedModel(model, tokenizer, cfg, source, time.perf_counter() - start, _fingerprint(source, cfg, seed))
+
+
+def _fingerprint(source: ModelSource, cfg: ModelConfig, seed: int) -> str:
+    import hashlib
+
+    origin = source.name
+    if source.path is not None:
+        files = [source.path] if source.path.is_file() else sorted(source.path.glob("*.safetensors"))
+        origin += ":" + ",".join(f"{f.name}={f.stat().st_size}" for f in files)
+    elif source.kind == "random":
+        origin += f":seed={seed}"
+    return hashlib.sha256(f"{cfg.fingerprint()}|{origin}".encode()).hexdigest()[:16]
 
 
 def build_model(

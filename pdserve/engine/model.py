@@ -9,6 +9,7 @@ matmuls. Parameter names follow Hugging Face's, with the fused ones split at loa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -215,13 +216,20 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` before the final norm."""
+        """Hidden states ``[T, hidden]`` before the final norm.
+
+        ``layer_done(i)`` is called once layer ``i`` has written this step's keys and values
+        (KV export starts shipping a layer while the next ones compute).
+        """
         x = self.embed(input_ids)
         rot = self.rope(positions)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(x, residual, rot, k_cache, v_cache, meta, backend)
+            if layer_done is not None:
+                layer_done(i)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ writes ``cache[l, 0]`` (keys, each block transposed: ``[head_dim, block_size]``)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, PrefillChunk, get_backend
@@ -45,6 +47,8 @@ class ModelRunner:
             (self.kv_cache[i, 0].view(nb, kvh, hd, block_size), self.kv_cache[i, 1].view(nb, kvh, block_size, hd))
             for i in range(cfg.num_layers)
         ]
+        # Called after each layer with (layer index, the step's items); see LlamaForCausalLM.forward.
+        self.layer_hook: Callable[[int, list[ScheduledRequest]], None] | None = None
         self.backend = get_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    self.device.type)
         self.sampler = Sampler(seed)
@@ -54,7 +58,9 @@ class ModelRunner:
         # One-token requests first: the attention backend batches them together.
         items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
         input_ids, positions, meta, last_rows = self.prepare_inputs(items)
-        hidden = self.model(input_ids, positions, self.layer_caches, meta, self.backend)
+        hook = self.layer_hook
+        layer_done = None if hook is None else (lambda layer: hook(layer, items))
+        hidden = self.model(input_ids, positions, self.layer_caches, meta, self.backend, layer_done)
         sampling = [(item, row) for item, row in zip(items, last_rows) if item.sample]
         out = ModelOutput()
         if not sampling:

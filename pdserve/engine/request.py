@@ -78,6 +78,15 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def add_prior_outputs(self, token_ids: list[int], vocab_size: int) -> None:
+        """Tokens generated for this request elsewhere (a prefill worker's first token, or what
+        a lost decode worker streamed). They count as output; a seeded generator moves past
+        the draws that produced them, so what follows is what one worker would have sampled."""
+        for token_id in token_ids:
+            self.append_output_token(token_id)
+        if self.generator is not None and token_ids:
+            torch.empty(len(token_ids), vocab_size).exponential_(generator=self.generator)
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

@@ -78,7 +78,7 @@ class Sampler:
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[-1]).exponential_(generator=self.generator)
         for i, r in enumerate(requests):
-            if r.generator is not None:
+            if r.generator is not None:  # one draw of the whole vocabulary per token (see Request.add_prior_outputs)
                 noise[i].exponential_(generator=r.generator)
         return (probs / noise).argmax(dim=-1)
 

@@ -92,11 +92,10 @@ class Scheduler:
         leading tokens are already here, so only the rest needs to arrive.
         """
         hits = self.kv.get_computed_blocks(request)
-        request.num_computed_tokens = len(hits) * self.kv.block_size
-        num_new = request.num_tokens - request.num_computed_tokens
-        if self.kv.allocate_slots(request, num_new, hits, delay_caching=True) is None:
-            request.num_computed_tokens = 0
+        cached = len(hits) * self.kv.block_size
+        if self.kv.allocate_slots(request, request.num_tokens - cached, hits, delay_caching=True) is None:
             return None
+        request.num_computed_tokens = cached
         request.num_cached_tokens = request.num_computed_tokens
         self.prefix_queries += request.num_tokens
         self.prefix_hits += request.num_cached_tokens
@@ -105,17 +104,12 @@ class Scheduler:
         self.remote[request.request_id] = request
         return self.kv.block_ids(request.request_id)
 
-    def finish_remote_kv(self, request_id: str, ok: bool, output_token_ids: Iterable[int] = ()) -> None:
-        """The remote KV has landed (ok) or failed (recompute locally); queue the request.
-
-        ``output_token_ids``: tokens already sampled elsewhere (the prefill's first token).
-        """
+    def finish_remote_kv(self, request_id: str, ok: bool) -> None:
+        """The remote KV has landed (ok) or failed (recompute locally); queue the request."""
         request = self.remote.pop(request_id)
         if ok:
             request.num_computed_tokens = request.num_prompt_tokens
             self.kv.cache_blocks(request, request.num_computed_tokens)
-        for token_id in output_token_ids:
-            request.append_output_token(token_id)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 

@@ -171,8 +171,8 @@ class ModelTokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, skip_special_tokens)
+    def detokenizer(self, skip_special_tokens: bool = True, prefix_ids: list[int] = ()) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens, prefix_ids)
 
 
 def _token_text(value) -> str | None:
@@ -199,9 +199,10 @@ def _compile_template(source: str) -> jinja2.Template:
 class IncrementalDetokenizer:
     """Text from tokens as they come; a character split across tokens waits for its last byte."""
 
-    def __init__(self, tokenizer: ModelTokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: ModelTokenizer, skip_special_tokens: bool = True, prefix_ids: list[int] = ()):
+        """``prefix_ids``: tokens whose text was already reported (a continuation starts after them)."""
         self._tokenizer = tokenizer.tokenizer
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._stream = DecodeStream(ids=list(prefix_ids) or None, skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._tokenizer, token_id) or ""

@@ -110,8 +110,8 @@ def test_remote_kv_resumes_with_prompt_counted_as_computed(make_engine):
     decode.runner.kv_cache[:, :, dst] = prefill.runner.kv_cache[:, :, src]
     prefill.abort_request("x")
     decode.finish_remote_kv("x", ok=True, output_token_ids=first)
-    assert request.num_computed_tokens == len(prompt)
-    remote = first + run_to_completion(decode)["x"]
+    assert request.num_computed_tokens == len(prompt) and request.output_token_ids == first
+    remote = first + run_to_completion(decode)["x"]  # the first token is not reported twice
 
     reference = make_engine()
     reference.add_request("x", prompt, params)

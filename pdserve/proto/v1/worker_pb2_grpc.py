@@ -64,6 +64,21 @@ class WorkerStub:
                 request_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/pdserve.v1.Worker/Reserve',
+                request_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.PushKV = channel.stream_unary(
+                '/pdserve.v1.Worker/PushKV',
+                request_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.KVChunk.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.PushKVResponse.FromString,
+                _registered_method=True)
+        self.Prefill = channel.unary_stream(
+                '/pdserve.v1.Worker/Prefill',
+                request_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -105,6 +120,27 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reserve(self, request, context):
+        """Decode workers: hold blocks for a prompt whose KV a prefill worker will push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushKV(self, request_iterator, context):
+        """Decode workers: receive a pushed KV (grpc transfer backend).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefill(self, request, context):
+        """Prefill workers: prefill, stream the first token, push the KV to the destination.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +173,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
+            ),
+            'PushKV': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushKV,
+                    request_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.KVChunk.FromString,
+                    response_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.PushKVResponse.SerializeToString,
+            ),
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +352,87 @@ class Worker:
             '/pdserve.v1.Worker/Drain',
             pdserve_dot_proto_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             pdserve_dot_proto_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Reserve',
+            pdserve_dot_proto_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
+            pdserve_dot_proto_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pdserve.v1.Worker/PushKV',
+            pdserve_dot_proto_dot_v1_dot_worker__pb2.KVChunk.SerializeToString,
+            pdserve_dot_proto_dot_v1_dot_worker__pb2.PushKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Worker/Prefill',
+            pdserve_dot_proto_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_proto_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

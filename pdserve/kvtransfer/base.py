@@ -1,0 +1,127 @@
+"""The transfer protocol: layout header, checksums, states, the two sides' interfaces, backends.
+
+Call protocol (one transfer = one request's prompt KV, prefill worker -> decode worker):
+
+    decode worker                                   prefill worker
+    receiver.expect(handle, block_ids, layout,      (the router passes the Reserve answer on)
+                    skip_blocks, lease_s)
+                                                    session = sender.open(destination, layout,
+                                                                          total_tokens)
+    handshake: layouts compared; a mismatch     <-  (first chunk carries the header)
+      fails the transfer naming both values
+    on_chunk(layer, first_block, k, v, crc)     <-  session.send_layer(layer, first_block, k, v)
+                                                     ... once per layer, as each layer finishes
+    commit: every layer of every block seen     <-  session.commit()        (exactly once)
+    -> TransferState.DONE                            session.abort(reason)   (instead, on failure)
+    a bad checksum, a broken stream, or the lease running out -> TransferState.FAILED: the
+    decode worker computes the prompt itself; the request's output is the same.
+
+Sessions are used from one thread (the prefill worker's engine thread); ``done`` (a
+``concurrent.futures.Future``) resolves with (ok, error) on either side's terms.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+WIRE_VERSION = 1
+
+
+class TransferState(enum.Enum):
+    WAITING = "waiting"  # blocks reserved, nothing received yet
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferError(RuntimeError):
+    """A transfer that cannot go on; ``reason`` is the metric label."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a transfer's bytes mean. Both sides must agree on every field."""
+
+    model_fingerprint: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    version: int = WIRE_VERSION
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """A message naming every field that differs, with both sides' values; None if equal."""
+        diffs = [f"{f}: sender {getattr(other, f)!r}, receiver {getattr(self, f)!r}"
+                 for f in ("version", "model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads",
+                           "head_dim") if getattr(self, f) != getattr(other, f)]
+        return "KV layout mismatch (" + "; ".join(diffs) + ")" if diffs else None
+
+    @property
+    def block_elements(self) -> int:
+        return self.block_size * self.num_kv_heads * self.head_dim
+
+    def to_proto(self, pb):
+        return pb.KVLayout(version=self.version, model_fingerprint=self.model_fingerprint, dtype=self.dtype,
+                           block_size=self.block_size, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.head_dim)
+
+    @classmethod
+    def from_proto(cls, m) -> KVLayout:
+        return cls(m.model_fingerprint, m.dtype, m.block_size, m.num_layers, m.num_kv_heads, m.head_dim, m.version)
+
+
+def checksum(*parts: bytes | memoryview) -> int:
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, without a copy."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+class SendSession(Protocol):
+    done: Future
+
+    def send_layer(self, layer: int, first_block: int, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    def commit(self) -> None: ...
+
+    def abort(self, reason: str) -> None: ...
+
+
+class KVSender(Protocol):
+    def open(self, destination, layout: KVLayout, total_tokens: int) -> SendSession: ...
+
+
+# Backends by name, imported when chosen (the torch backend pulls in torch.distributed).
+BACKENDS: dict[str, str] = {
+    "grpc": "pdserve.kvtransfer.grpc_backend:GrpcSender",
+    "local": "pdserve.kvtransfer.local:LocalSender",
+    "torch": "pdserve.kvtransfer.torch_backend:TorchSender",
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    BACKENDS[name] = target
+
+
+def sender_class(name: str) -> type:
+    if name not in BACKENDS:
+        raise ValueError(f"kv transfer backend: unknown {name!r}; known: {sorted(BACKENDS)}")
+    module, _, attr = BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,118 @@
+"""The grpc backend: a client stream of KVChunk messages to the decode worker's PushKV.
+
+One chunk per layer: the request's blocks of that layer, keys then values, in the cache's own
+layout (the only copy is the serialisation into the message). Sessions are fed from the
+engine's thread; the stream runs on the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Future
+
+import grpc
+import torch
+
+from pdserve.kvtransfer.base import KVLayout, checksum, tensor_bytes
+from pdserve.kvtransfer.faults import KVFaults
+from pdserve.proto.v1 import worker_pb2 as pb
+from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
+
+_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+
+
+class GrpcSender:
+    def __init__(self, loop: asyncio.AbstractEventLoop, faults: KVFaults = KVFaults(), timeout_s: float = 120.0):
+        self.loop = loop
+        self.faults = faults
+        self.timeout_s = timeout_s
+        self._stubs: dict[str, pb_grpc.WorkerStub] = {}  # used from the event loop only
+
+    def stub(self, address: str) -> pb_grpc.WorkerStub:
+        if address not in self._stubs:
+            self._stubs[address] = pb_grpc.WorkerStub(grpc.aio.insecure_channel(address, options=_OPTIONS))
+        return self._stubs[address]
+
+    def open(self, destination: pb.ReserveResponse, layout: KVLayout, total_tokens: int) -> GrpcSession:
+        return GrpcSession(self, destination, layout, total_tokens)
+
+
+class GrpcSession:
+    def __init__(self, sender: GrpcSender, destination: pb.ReserveResponse, layout: KVLayout, total_tokens: int):
+        self.sender = sender
+        self.handle = destination.handle
+        self.address = destination.kv_address
+        self.header = layout.to_proto(pb)
+        self.total_tokens = total_tokens
+        self.done: Future = Future()  # resolves to (ok, error)
+        self.sent_bytes = 0
+        self.started = time.monotonic()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._first = True
+        self._call = None
+        asyncio.run_coroutine_threadsafe(self._run(), sender.loop)
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def send_layer(self, layer: int, first_block: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        faults = self.sender.faults
+        if faults.drop_layer == layer:
+            return
+        k, v = tensor_bytes(keys), tensor_bytes(values)
+        msg = pb.KVChunk(handle=self.handle, layer=layer, first_block=first_block, num_blocks=keys.shape[0],
+                         keys=bytes(k), values=bytes(v), checksum=checksum(k, v))
+        if faults.corrupt_layer == layer:
+            msg.keys = bytes([msg.keys[0] ^ 0xFF]) + msg.keys[1:]
+        self.sent_bytes += len(msg.keys) + len(msg.values)
+        self._put(msg)
+
+    def commit(self) -> None:
+        if self.sender.faults.stall_s:
+            self._put(("sleep", self.sender.faults.stall_s))
+        self._put(pb.KVChunk(handle=self.handle, commit=True))
+        self._put(None)
+
+    def abort(self, reason: str) -> None:
+        self._put(("abort", reason))
+
+    def _put(self, item) -> None:
+        self.sender.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    # ---- event loop -----------------------------------------------------------------------
+
+    async def _messages(self):
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, tuple):
+                kind, arg = item
+                if kind == "sleep":
+                    await asyncio.sleep(arg)
+                    continue
+                raise _Aborted(arg)
+            if self._first:
+                item.layout.CopyFrom(self.header)
+                item.total_tokens = self.total_tokens
+                item.handle = self.handle
+                self._first = False
+            yield item
+
+    async def _run(self) -> None:
+        try:
+            self._call = self.sender.stub(self.address).PushKV(self._messages(), timeout=self.sender.timeout_s)
+            response = await self._call
+            result = (response.ok, response.error or None)
+        except _Aborted as e:
+            result = (False, f"aborted by the sender: {e}")
+        except grpc.aio.AioRpcError as e:
+            result = (False, f"{e.code().name}: {e.details()}")
+        except Exception as e:  # never leave the future unresolved
+            result = (False, repr(e))
+        if not self.done.done():
+            self.done.set_result(result)
+
+
+class _Aborted(Exception):
+    pass

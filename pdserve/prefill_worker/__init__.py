@@ -1,0 +1,1 @@
+"""The prefill role: prompts in, first tokens back, KV out to decode workers."""

@@ -1,0 +1,79 @@
+"""The prefill worker: prompts in, first tokens back, KV out to decode workers.
+
+A request's lifecycle through this worker::
+
+    router --Prefill(prompt, sampling, destination = a decode worker's reservation)-->
+      layouts compared first (a mismatch is refused, naming both sides' values)
+      the engine queues the prompt with max_tokens=1: chunked prefill in batches under the
+      token budget, its own prefix cache (a repeated prefix is not recomputed)
+      during the step that completes the prompt, after each layer: that layer's blocks beyond
+        the destination's cached prefix --> KV transfer session (grpc: PushKV chunks)
+      first token sampled (the request's own sampling and seed) --> PrefillResponse(first) at once
+      after the last layer: commit --> PrefillResponse(transfer_done, ok | error)
+    caller gone -> the prefill is aborted and the transfer with it
+
+The worker also serves the common ``Worker`` RPCs (health, load snapshot, drain), and colocated
+``Generate`` if asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from pdserve.decode_worker import convert
+from pdserve.decode_worker.server import WorkerServicer
+from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.kvtransfer.base import KVLayout
+from pdserve.kvtransfer.faults import KVFaults
+from pdserve.kvtransfer.grpc_backend import GrpcSender
+from pdserve.prefill_worker.export import Export, KVExporter
+from pdserve.proto.v1 import worker_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServicer(WorkerServicer):
+    role = "prefill"
+
+    def __init__(self, engine, worker_id, config, address):
+        super().__init__(engine, worker_id, config, address)
+        llm = engine.engine
+        self.exporter = KVExporter(llm.runner, llm.block_size, llm.model_config.num_layers)
+        self.sender = GrpcSender(asyncio.get_running_loop(), KVFaults.parse(config.kv_fault))
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
+        dest = request.destination
+        problem = self.layout.mismatch(KVLayout.from_proto(dest.layout))
+        if problem:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused at the handshake: {problem}")
+        if dest.backend not in ("", "grpc"):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this prefill worker sends with 'grpc', the destination expects {dest.backend!r}")
+        try:
+            params = convert.sampling_from_proto(request.sampling)
+            params = params.replace(max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            prompt = list(request.prompt_token_ids)
+            stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt or None)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.encode_invalid(e))
+        session = self.sender.open(dest, self.layout, len(prompt))
+        skip = dest.cached_tokens // self.layout.block_size
+        self.exporter.add(request.request_id, Export(session, skip, len(prompt)))
+        try:
+            async for out in stream:
+                if out.finished:
+                    self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
+                    yield pb.PrefillResponse(first=convert.output_to_proto(out))
+            ok, error = await asyncio.wrap_future(session.done)
+            self.metrics.kv_sent.labels("ok" if ok else "failed").inc()
+            self.metrics.kv_sent_bytes.inc(session.sent_bytes)
+            if not ok:
+                log.warning("request %s: KV transfer to %s failed: %s", request.request_id, dest.kv_address, error)
+            yield pb.PrefillResponse(transfer_done=True, transfer_ok=ok, transfer_error=error or "")
+        finally:
+            self.exporter.cancel(request.request_id, "the prefill request ended before its KV was sent")
