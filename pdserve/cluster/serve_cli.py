@@ -86,13 +86,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     router_config = from_dict(RouterConfig, collect_arguments(args, RouterConfig))
     if args.decode < 1:
         raise ValueError(f"--decode: at least one decode worker is needed, got {args.decode}")
+    if args.prefill < 0:
+        raise ValueError(f"--prefill: must not be negative, got {args.prefill}")
     if engine.num_threads is None:
-        engine_options["num_threads"] = max(1, (os.cpu_count() or 1) // args.decode)
+        engine_options["num_threads"] = max(1, (os.cpu_count() or 1) // (args.decode + args.prefill))
     flags = to_flags({**engine_options, "load_progress": False})
+    worker_flags = ["--host", "127.0.0.1", "--port", "0", *flags]
+    if args.kv_lease_ms is not None:
+        worker_flags += ["--kv-lease-ms", str(args.kv_lease_ms)]
     _exit_on_sigterm()
-    workers = [start_worker("decode", ["--host", "127.0.0.1", "--port", "0", *flags]) for _ in range(args.decode)]
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    workers = [start_worker(role, worker_flags) for role in roles]
     try:
-        log.info("starting %d decode worker(s) with %s", args.decode, engine.model)
+        log.info("starting %d prefill and %d decode worker(s) with %s", args.prefill, args.decode, engine.model)
         wait_ready(workers)
         _run_router(router_config, engine.model, [w.address for w in workers])
     finally:
@@ -106,9 +112,14 @@ def add_commands(sub) -> None:
 
     serve = sub.add_parser(
         "serve", help="serve the OpenAI API with workers on this machine",
-        description="Start decode workers (one process each) and the router in front of them; Ctrl-C or "
-                    "SIGTERM stops them all.")
+        description="Start prefill and decode workers (one process each) and the router in front of them; "
+                    "Ctrl-C or SIGTERM stops them all. Disaggregated by default (one prefill, one decode worker); "
+                    "--prefill 0 serves colocated (decode workers prefill their own prompts).")
     serve.add_argument("--decode", type=int, default=1, help="number of decode workers (default: 1)")
+    serve.add_argument("--prefill", type=int, default=1,
+                       help="number of prefill workers; 0 serves colocated (default: 1)")
+    serve.add_argument("--kv-lease-ms", type=int, default=None,
+                       help="how long a decode worker's reserved blocks wait for their KV (default: the worker's)")
     add_arguments(serve.add_argument_group("router"), RouterConfig)
     add_arguments(serve.add_argument_group("engine (every worker)"), EngineConfig)
     serve.set_defaults(func=cmd_serve)

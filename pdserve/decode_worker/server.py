@@ -119,6 +119,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                         request.cache_salt or None, output_token_ids=outputs)
         handle = request.kv_handle
         self._resumed.add(handle)
+        if request.prefill_here:
+            self.receiver.release(handle)
+            self.metrics.kv_transfers.labels("prefilled_here").inc()
+            return self.engine.resume(handle, False, outputs)
         ok, reason = await self.receiver.wait(handle)
         incoming = self.receiver.release(handle)
         self._count_transfer(incoming, ok, reason)

@@ -73,6 +73,12 @@ class KVReceiver:
         if problem:
             self.fail(handle, "layout_mismatch", problem)
             raise TransferError("layout_mismatch", problem)
+        if incoming.state is TransferState.FAILED:
+            # A new sender takes over a failed transfer (its first sender died): start afresh.
+            incoming.seen.clear()
+            incoming.reason = incoming.error = None
+            incoming.done = Future()
+            incoming.state = TransferState.WAITING
         if incoming.state is TransferState.WAITING:
             incoming.state = TransferState.TRANSFERRING
             incoming.started = time.monotonic()

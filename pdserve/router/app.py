@@ -2,9 +2,9 @@
 
 A request's path: validate (pydantic; 400 naming the field) -> known model (404) -> admission
 (429 with Retry-After) -> chat template and tokenizer -> context check (400
-context_length_exceeded) -> one worker request per choice, dispatched by the policy (503 when
-no worker is up) -> stream (SSE) or collect -> usage. A client that goes away cancels its
-worker calls, which aborts the requests there.
+context_length_exceeded) -> one worker request per choice, dispatched (router/dispatcher.py:
+colocated or disaggregated, retries, migration; 503 when no worker is up) -> stream (SSE) or
+collect -> usage. A client that goes away cancels its worker calls, which aborts the requests there.
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ from pdserve.configs import doc
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.tokenizer import ModelTokenizer
 from pdserve.proto.v1 import worker_pb2 as pb
+from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import POLICIES
+from pdserve.router.policy import POLICIES, DisaggregationConfig, least_queued_prefill
 from pdserve.router.pool import WorkerPool
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, field_of_engine_error
 from pdserve.router.responses import SSE_DONE, Choice, Formatter, usage
-from pdserve.router.worker_client import NoWorkerError, WorkerLostError, dispatch, sampling_to_proto
+from pdserve.router.worker_client import NoWorkerError, WorkerLostError, sampling_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,10 @@ class RouterConfig:
     max_concurrent_requests: int = doc(512, "admission limit: past this many requests in flight, answer 429")
     retry_after_s: int = doc(1, "Retry-After seconds sent with a 429")
     poll_interval_s: float = doc(0.5, "how often worker load snapshots and health are read")
+    disagg_min_prompt_tokens: int = doc(128, "prompts shorter than this are prefilled on the decode worker "
+                                              "(conditional disaggregation)")
+    disagg_min_uncached_tokens: int = doc(64, "prompts whose part not cached on the decode worker is shorter "
+                                               "than this are prefilled there too")
 
 
 class Router:
@@ -60,8 +65,10 @@ class Router:
         self.pool = pool
         self.tokenizer = tokenizer
         self.model_spec = model_spec
-        self.policy = POLICIES[config.policy]()
         self.metrics = RouterMetrics()
+        disaggregation = DisaggregationConfig(config.disagg_min_prompt_tokens, config.disagg_min_uncached_tokens)
+        self.dispatcher = Dispatcher(pool, POLICIES[config.policy](), least_queued_prefill, disaggregation,
+                                     self.metrics)
         self.inflight = 0
 
     @property
@@ -206,7 +213,7 @@ class Router:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.inflight += 1
         self.metrics.in_flight.inc()
-        stream = _merge([dispatch(self.pool, self.policy, r) for r in requests])
+        stream = _merge([self.dispatcher.run(r) for r in requests])
         try:
             first = await self._first(stream)  # errors before any output become HTTP statuses
         except BaseException:

@@ -16,6 +16,7 @@ class WorkerLoad:
     num_waiting: int
     kv_usage: float
     waiting_prompt_tokens: int = 0
+    inflight_tokens: int = 0  # prompt tokens of this router's requests in flight there
 
 
 def least_loaded(workers: Sequence[WorkerLoad]) -> str | None:
@@ -28,6 +29,36 @@ def least_loaded(workers: Sequence[WorkerLoad]) -> str | None:
         return (max(w.inflight, w.num_running + w.num_waiting), w.kv_usage, w.worker_id)
 
     return min(workers, key=key).worker_id
+
+
+def least_queued_prefill(workers: Sequence[WorkerLoad]) -> str | None:
+    """The prefill worker with the fewest prompt tokens ahead (the larger of our count and its
+    own queue), then the fewest requests."""
+    if not workers:
+        return None
+    return min(workers, key=lambda w: (max(w.inflight_tokens, w.waiting_prompt_tokens), w.inflight,
+                                       w.worker_id)).worker_id
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """When a prompt is prefilled on a prefill worker rather than where it will be decoded."""
+
+    min_prompt_tokens: int = 128  # shorter prompts are prefilled on the decode worker
+    min_uncached_tokens: int = 64  # so are prompts whose part not cached on the decode worker is shorter
+
+
+def prefill_route(prompt_tokens: int, cached_tokens: int, prefill_available: bool,
+                  cfg: DisaggregationConfig) -> str:
+    """``remote`` (a prefill worker), or why not: ``local_no_prefill_worker``, ``local_short``,
+    ``local_cached``. The label is the metric's outcome."""
+    if not prefill_available:
+        return "local_no_prefill_worker"
+    if prompt_tokens < cfg.min_prompt_tokens:
+        return "local_short"
+    if prompt_tokens - cached_tokens < cfg.min_uncached_tokens:
+        return "local_cached"
+    return "remote"
 
 
 def round_robin_factory() -> Callable[[Sequence[WorkerLoad]], str | None]:
@@ -45,7 +76,9 @@ def round_robin_factory() -> Callable[[Sequence[WorkerLoad]], str | None]:
     return pick
 
 
-POLICIES: dict[str, Callable[[], Callable[[Sequence[WorkerLoad]], str | None]]] = {
+Policy = Callable[[Sequence[WorkerLoad]], "str | None"]
+
+POLICIES: dict[str, Callable[[], Policy]] = {
     "least_loaded": lambda: least_loaded,
     "round_robin": round_robin_factory,
 }

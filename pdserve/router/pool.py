@@ -37,17 +37,22 @@ class WorkerHandle:
     snapshot: pb.LoadSnapshot | None = None
     healthy: bool = False
     failures: int = 0
-    inflight: int = 0
+    inflight: int = 0  # requests this router has in flight there
+    inflight_tokens: int = 0  # their prompt tokens (prefill workers)
     down: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def worker_id(self) -> str:
         return self.info.worker_id if self.info else self.address
 
+    @property
+    def role(self) -> str:
+        return self.info.role if self.info else "decode"
+
     def load(self) -> WorkerLoad:
         s = self.snapshot or pb.LoadSnapshot()
         return WorkerLoad(self.worker_id, self.inflight, s.num_running, s.num_waiting, s.kv_usage,
-                          s.waiting_prompt_tokens)
+                          s.waiting_prompt_tokens, self.inflight_tokens)
 
 
 class WorkerPool:
@@ -113,11 +118,12 @@ class WorkerPool:
         w.down.set()
         self.changed.set()
 
-    def healthy(self) -> list[WorkerHandle]:
-        return [w for w in self.workers if w.healthy]
+    def healthy(self, role: str | None = None) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.healthy and (role is None or w.role == role)]
 
     def by_id(self, worker_id: str) -> WorkerHandle:
         return next(w for w in self.workers if w.worker_id == worker_id)
 
     def model_info(self) -> pb.WorkerInfo | None:
-        return next((w.info for w in self.workers if w.info is not None), None)
+        infos = [w.info for w in self.workers if w.info is not None]
+        return next((i for i in infos if i.role == "decode"), infos[0] if infos else None)

@@ -1,35 +1,22 @@
-"""Router side of the wire: building worker requests, dispatch with retry, reading responses.
+"""Router side of the wire: building worker requests, reading responses, classifying failures.
 
-    async for msg in dispatch(pool, pick, request):   # pb.GenerateResponse deltas
-        ...
-
-A worker is chosen by the policy among the healthy ones. Until the first message arrives, a
-failure of that worker (its call fails, or the pool takes it out of rotation) moves the request
-to another worker; after tokens have streamed, the failure surfaces as ``WorkerLostError``.
-Closing the iterator (the client went away) cancels the gRPC call, which aborts the request on
-the worker and frees its blocks.
+Dispatch itself (which worker, retries, migration) is in dispatcher.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
-from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
 from pdserve.engine.request import Logprob, TokenLogprobs
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.proto.v1 import worker_pb2 as pb
-from pdserve.router.policy import WorkerLoad
-from pdserve.router.pool import WorkerHandle, WorkerPool
-
-log = logging.getLogger(__name__)
-Policy = Callable[[Sequence[WorkerLoad]], "str | None"]
+from pdserve.router.pool import WorkerHandle
 
 # gRPC codes that mean "this worker cannot serve right now" (try another), not "bad request".
-_WORKER_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+WORKER_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                     grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
 
 
@@ -81,51 +68,11 @@ def invalid_from_details(details: str) -> InvalidRequestError | None:
         return None
 
 
-async def dispatch(pool: WorkerPool, policy: Policy, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-    tried: set[str] = set()
-    while True:
-        candidates = [w for w in pool.healthy() if w.worker_id not in tried]
-        chosen = policy([w.load() for w in candidates])
-        if chosen is None:
-            raise NoWorkerError("no worker is available" if not tried else "every available worker failed")
-        worker = pool.by_id(chosen)
-        tried.add(chosen)
-        worker.inflight += 1
-        call = worker.stub.Generate(request)
-        started = False
-        try:
-            first = await _first_message(call, worker)
-            if first is None:
-                return
-            started = True
-            yield first
-            while (msg := await call.read()) is not grpc.aio.EOF:  # read(): iteration and read() don't mix
-                yield msg
-            return
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise invalid_from_details(e.details() or "") or InvalidRequestError("request", e.details()) from e
-            if e.code() not in _WORKER_FAILURES:
-                raise
-            if started:
-                raise WorkerLostError(f"worker {worker.worker_id} failed mid-stream: {e.code().name}") from e
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                pool.mark_down(worker, f"Generate failed: {e.details()}")
-            log.warning("request %s: worker %s failed before streaming (%s); retrying elsewhere",
-                        request.request_id, worker.worker_id, e.code().name)
-        except _WorkerDown:
-            log.warning("request %s: worker %s left the rotation before streaming; retrying elsewhere",
-                        request.request_id, worker.worker_id)
-        finally:
-            worker.inflight -= 1
-            call.cancel()  # no-op when the call has finished; aborts the request on the worker otherwise
+class WorkerDown(Exception):
+    """The worker left the rotation while a request waited for its first message."""
 
 
-class _WorkerDown(Exception):
-    pass
-
-
-async def _first_message(call, worker: WorkerHandle) -> pb.GenerateResponse | None:
+async def first_message(call, worker: WorkerHandle) -> pb.GenerateResponse | None:
     """The call's first message (None if it ends without one); the worker leaving the rotation
     before it arrives raises ``_WorkerDown``. Later messages are read from the call directly."""
     first = asyncio.ensure_future(call.read())
@@ -136,6 +83,6 @@ async def _first_message(call, worker: WorkerHandle) -> pb.GenerateResponse | No
         down.cancel()
     if first not in done:
         first.cancel()
-        raise _WorkerDown()
+        raise WorkerDown()
     msg = first.result()
     return None if msg is grpc.aio.EOF else msg

@@ -1,0 +1,260 @@
+"""Where a request goes, and what happens when a worker fails under it.
+
+    async for msg in dispatcher.run(request):      # pb.GenerateResponse deltas, first token first
+        ...
+
+Paths:
+
+    colocated        decode worker: Generate (it prefills its own prompt)
+    disaggregated    decode worker: Reserve  ->  route = prefill_route(prompt, cached there)
+                     remote: prefill worker: Prefill(destination) -> first token streamed at once
+                             decode worker: Generate(kv_handle, output_token_ids=[first])
+                     local:  decode worker: Generate(kv_handle, prefill_here)
+
+Faults:
+- a worker that fails (or leaves the rotation) before anything was streamed: the request goes
+  to another worker of the same pool;
+- every prefill worker fails: the decode worker prefills the prompt itself;
+- a decode worker lost after tokens were streamed: the request continues on another decode
+  worker with the prompt and the tokens so far (``output_token_ids``), so the client's stream
+  goes on without a gap or a repeat;
+- transfer faults (a dropped, corrupt or stalled transfer) are the decode worker's to handle:
+  it computes the prompt itself when the KV does not land within its lease.
+Each fault is counted by reason and logged with the request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.engine.sampling_params import InvalidRequestError
+from pdserve.proto.v1 import worker_pb2 as pb
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import DisaggregationConfig, Policy, prefill_route
+from pdserve.router.pool import WorkerHandle, WorkerPool
+from pdserve.router.worker_client import (
+    WORKER_FAILURES,
+    NoWorkerError,
+    WorkerDown,
+    WorkerLostError,
+    first_message,
+    invalid_from_details,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, decode_policy: Policy, prefill_policy: Policy,
+                 disaggregation: DisaggregationConfig, metrics: RouterMetrics, max_migrations: int = 3):
+        self.pool = pool
+        self.decode_policy = decode_policy
+        self.prefill_policy = prefill_policy
+        self.disaggregation = disaggregation
+        self.metrics = metrics
+        self.max_migrations = max_migrations
+        self._background: set[asyncio.Task] = set()
+
+    async def run(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        generated: list[int] = []
+        stream = self._first_leg(request)
+        for migration in range(self.max_migrations + 1):
+            try:
+                async for msg in stream:
+                    generated.extend(msg.token_ids)
+                    yield msg
+                return
+            except WorkerLostError as e:
+                if migration == self.max_migrations:
+                    raise
+                self.metrics.faults.labels("decode_worker_lost").inc()
+                log.warning("request %s: %s; continuing elsewhere after %d tokens", request.request_id, e,
+                            len(generated))
+                follow = pb.GenerateRequest()
+                follow.CopyFrom(request)
+                follow.request_id = f"{request.request_id}-m{migration + 1}"
+                follow.ClearField("kv_handle")
+                follow.prefill_here = False
+                follow.output_token_ids.extend(generated)
+                stream = self._colocated(follow)
+                self.metrics.migrations.inc()
+
+    def _first_leg(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        prompt = len(request.prompt_token_ids)
+        if not self.pool.healthy("prefill"):
+            self.metrics.prefill_decisions.labels("local_no_prefill_worker").inc()
+            return self._colocated(request)
+        if prompt < self.disaggregation.min_prompt_tokens:
+            self.metrics.prefill_decisions.labels("local_short").inc()
+            return self._colocated(request)
+        return self._disaggregated(request)
+
+    # ---- colocated -------------------------------------------------------------------------
+
+    async def _colocated(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        tried: set[str] = set()
+        while True:
+            worker = self._pick("decode", self.decode_policy, tried)
+            started = False
+            try:
+                async for msg in self._generate(worker, request):
+                    started = True
+                    yield msg
+                return
+            except _Retry as e:
+                if started:
+                    raise WorkerLostError(f"worker {worker.worker_id} failed mid-stream: {e}") from e
+                self.metrics.retries.inc()
+                log.warning("request %s: worker %s failed before streaming (%s); retrying elsewhere",
+                            request.request_id, worker.worker_id, e)
+
+    async def _generate(self, worker: WorkerHandle, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """A worker's Generate stream; its failures become ``_Retry`` (bad input stays an error)."""
+        worker.inflight += 1
+        call = worker.stub.Generate(request)
+        try:
+            first = await first_message(call, worker)
+            if first is None:
+                return
+            yield first
+            while (msg := await call.read()) is not grpc.aio.EOF:  # read(): iteration and read() don't mix
+                yield msg
+        except grpc.aio.AioRpcError as e:
+            raise self._classify(worker, e, "Generate") from e
+        except WorkerDown as e:
+            raise _Retry("it left the rotation") from e
+        finally:
+            worker.inflight -= 1
+            call.cancel()  # no-op once finished; otherwise aborts the request on the worker
+
+    def _classify(self, worker: WorkerHandle, e: grpc.aio.AioRpcError, rpc: str) -> Exception:
+        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            return invalid_from_details(e.details() or "") or InvalidRequestError("request", e.details() or "")
+        if e.code() not in WORKER_FAILURES:
+            return e
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            self.pool.mark_down(worker, f"{rpc} failed: {e.details()}")
+        return _Retry(f"{rpc}: {e.code().name}")
+
+    def _pick(self, role: str, policy: Policy, tried: set[str]) -> WorkerHandle:
+        candidates = [w for w in self.pool.healthy(role) if w.worker_id not in tried]
+        chosen = policy([w.load() for w in candidates])
+        if chosen is None:
+            raise NoWorkerError(f"no {role} worker is available" if not tried else f"every {role} worker failed")
+        tried.add(chosen)
+        return self.pool.by_id(chosen)
+
+    # ---- disaggregated ----------------------------------------------------------------------
+
+    async def _disaggregated(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        decode, reservation = await self._reserve(request)
+        if reservation is None:  # no decode worker has room to reserve: queue colocated instead
+            self.metrics.prefill_decisions.labels("local_no_room").inc()
+            async for msg in self._colocated(request):
+                yield msg
+            return
+        route = prefill_route(len(request.prompt_token_ids), reservation.cached_tokens, True, self.disaggregation)
+        self.metrics.prefill_decisions.labels(route).inc()
+        resume = pb.GenerateRequest()
+        resume.CopyFrom(request)
+        resume.kv_handle = reservation.handle
+        first = await self._prefill(request, reservation) if route == "remote" else None
+        if first is None:
+            resume.prefill_here = True
+        else:
+            ended = first.finish_reason == "stop" or (request.sampling.HasField("max_tokens")
+                                                      and request.sampling.max_tokens <= 1)
+            if ended:  # the first token was the last: nothing to decode
+                await self._release(decode, reservation.handle)
+                yield first
+                return
+            first.finished = False
+            first.finish_reason = ""
+            yield first
+            resume.output_token_ids.extend(first.token_ids)
+        try:
+            async for msg in self._generate(decode, resume):
+                yield msg
+        except _Retry as e:
+            raise WorkerLostError(f"decode worker {decode.worker_id} failed: {e}") from e
+
+    async def _reserve(self, request: pb.GenerateRequest) -> tuple[WorkerHandle | None, pb.ReserveResponse | None]:
+        tried: set[str] = set()
+        while True:
+            try:
+                worker = self._pick("decode", self.decode_policy, tried)
+            except NoWorkerError:
+                if not tried:
+                    raise
+                return None, None
+            try:
+                return worker, await worker.stub.Reserve(pb.ReserveRequest(
+                    request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                    sampling=request.sampling, cache_salt=request.cache_salt), timeout=10)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    continue
+                err = self._classify(worker, e, "Reserve")
+                if not isinstance(err, _Retry):
+                    raise err from e
+
+    async def _prefill(self, request: pb.GenerateRequest,
+                       reservation: pb.ReserveResponse) -> pb.GenerateResponse | None:
+        """The first token from a prefill worker (trying each in turn), or None if all fail."""
+        tried: set[str] = set()
+        while True:
+            try:
+                worker = self._pick("prefill", self.prefill_policy, tried)
+            except NoWorkerError:
+                self.metrics.faults.labels("no_prefill_worker").inc()
+                log.warning("request %s: no prefill worker could take it; the decode worker prefills",
+                            request.request_id)
+                return None
+            worker.inflight += 1
+            worker.inflight_tokens += len(request.prompt_token_ids)
+            call = worker.stub.Prefill(pb.PrefillRequest(
+                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                sampling=request.sampling, cache_salt=request.cache_salt, destination=reservation))
+            try:
+                while (msg := await call.read()) is not grpc.aio.EOF:
+                    if msg.HasField("first"):
+                        # The transfer's outcome is the decode worker's to judge; the rest of this
+                        # stream (the sender's view of it) is read in the background.
+                        task = asyncio.create_task(self._drain_prefill(call, request.request_id))
+                        self._background.add(task)
+                        task.add_done_callback(self._background.discard)
+                        return msg.first
+                raise _Retry("the stream ended without a first token")
+            except grpc.aio.AioRpcError as e:
+                err = self._classify(worker, e, "Prefill")
+                if not isinstance(err, _Retry):
+                    raise err from e
+                self.metrics.faults.labels("prefill_worker_failed").inc()
+                log.warning("request %s: prefill worker %s failed (%s); trying another", request.request_id,
+                            worker.worker_id, err)
+            finally:
+                worker.inflight -= 1
+                worker.inflight_tokens -= len(request.prompt_token_ids)
+
+    async def _drain_prefill(self, call, request_id: str) -> None:
+        try:
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                if msg.transfer_done and not msg.transfer_ok:
+                    log.warning("request %s: the prefill worker reports its KV transfer failed: %s", request_id,
+                                msg.transfer_error)
+        except grpc.aio.AioRpcError:
+            pass  # the decode worker handles a transfer that never completes
+
+    async def _release(self, worker: WorkerHandle, handle: str) -> None:
+        try:
+            await worker.stub.Abort(pb.AbortRequest(request_ids=[handle]), timeout=5)
+        except grpc.aio.AioRpcError:
+            pass  # the lease frees it anyway
+
+
+class _Retry(Exception):
+    """A worker failed in a way another worker may not."""
