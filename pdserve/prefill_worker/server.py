@@ -48,7 +48,7 @@ class PrefillServicer(WorkerServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
         dest = request.destination
-        problem = self.layout.mismatch(KVLayout.from_proto(dest.layout))
+        problem = KVLayout.from_proto(dest.layout).mismatch(self.layout)  # the destination receives
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused at the handshake: {problem}")
         if dest.backend not in ("", "grpc"):

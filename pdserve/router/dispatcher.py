@@ -140,8 +140,8 @@ class Dispatcher:
             self.pool.mark_down(worker, f"{rpc} failed: {e.details()}")
         return _Retry(f"{rpc}: {e.code().name}")
 
-    def _pick(self, role: str, policy: Policy, tried: set[str]) -> WorkerHandle:
-        candidates = [w for w in self.pool.healthy(role) if w.worker_id not in tried]
+    def _pick(self, role: str, policy: Policy, tried: set[str], like: WorkerHandle | None = None) -> WorkerHandle:
+        candidates = [w for w in self.pool.healthy(role) if w.worker_id not in tried and compatible(w, like)]
         chosen = policy([w.load() for w in candidates])
         if chosen is None:
             raise NoWorkerError(f"no {role} worker is available" if not tried else f"every {role} worker failed")
@@ -162,7 +162,7 @@ class Dispatcher:
         resume = pb.GenerateRequest()
         resume.CopyFrom(request)
         resume.kv_handle = reservation.handle
-        first = await self._prefill(request, reservation) if route == "remote" else None
+        first = await self._prefill(request, reservation, decode) if route == "remote" else None
         if first is None:
             resume.prefill_here = True
         else:
@@ -202,13 +202,13 @@ class Dispatcher:
                 if not isinstance(err, _Retry):
                     raise err from e
 
-    async def _prefill(self, request: pb.GenerateRequest,
-                       reservation: pb.ReserveResponse) -> pb.GenerateResponse | None:
+    async def _prefill(self, request: pb.GenerateRequest, reservation: pb.ReserveResponse,
+                       decode: WorkerHandle) -> pb.GenerateResponse | None:
         """The first token from a prefill worker (trying each in turn), or None if all fail."""
         tried: set[str] = set()
         while True:
             try:
-                worker = self._pick("prefill", self.prefill_policy, tried)
+                worker = self._pick("prefill", self.prefill_policy, tried, like=decode)
             except NoWorkerError:
                 self.metrics.faults.labels("no_prefill_worker").inc()
                 log.warning("request %s: no prefill worker could take it; the decode worker prefills",
@@ -230,6 +230,11 @@ class Dispatcher:
                         return msg.first
                 raise _Retry("the stream ended without a first token")
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # refused at the handshake
+                    self.metrics.faults.labels("prefill_refused").inc()
+                    log.error("request %s: prefill worker %s refused the transfer: %s", request.request_id,
+                              worker.worker_id, e.details())
+                    continue
                 err = self._classify(worker, e, "Prefill")
                 if not isinstance(err, _Retry):
                     raise err from e
@@ -254,6 +259,15 @@ class Dispatcher:
             await worker.stub.Abort(pb.AbortRequest(request_ids=[handle]), timeout=5)
         except grpc.aio.AioRpcError:
             pass  # the lease frees it anyway
+
+
+def compatible(worker: WorkerHandle, like: WorkerHandle | None) -> bool:
+    """Whether ``worker`` can exchange KV with ``like``: same model and block size (as both
+    report them). The transfer's handshake checks the full layout again."""
+    if like is None or worker.info is None or like.info is None:
+        return True
+    return (worker.info.model_fingerprint, worker.info.block_size) == (like.info.model_fingerprint,
+                                                                       like.info.block_size)
 
 
 class _Retry(Exception):

@@ -30,6 +30,12 @@ class Cluster:
     model: str
     extra: dict = field(default_factory=dict)
 
+    def worker_metric(self, index: int, name: str) -> float:
+        """A counter summed over its labels, from worker ``index``'s own /metrics."""
+        text = httpx.get(f"http://127.0.0.1:{self.extra['metrics_ports'][index]}/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and not line.startswith("#"))
+
     def stats(self) -> list:
         import grpc
 
@@ -69,18 +75,25 @@ def start_router(addresses: list[str], model: str, *flags: str, ready: bool = Tr
     raise TimeoutError("router did not become ready")
 
 
-def start_cluster(model: str, decode: int, engine_flags: list[str], router_flags: list[str] = ()) -> Cluster:
-    threads = max(1, (os.cpu_count() or 2) // decode)
-    workers = [start_worker("decode", ["--host", "127.0.0.1", "--port", "0", "--model", model,
-                                       "--num-threads", str(threads), "--no-load-progress", *engine_flags])
-               for _ in range(decode)]
+def start_cluster(model: str, decode: int, engine_flags: list[str], router_flags: list[str] = (), prefill: int = 0,
+                  prefill_flags: list[str] = (), decode_flags: list[str] = ()) -> Cluster:
+    """Workers (one thread each when they share the machine) and a router in front of them."""
+    threads = max(1, (os.cpu_count() or 2) // (decode + prefill))
+    metrics_ports = []
+    workers = []
+    for role, count, extra in (("prefill", prefill, prefill_flags), ("decode", decode, decode_flags)):
+        for _ in range(count):
+            metrics_ports.append(free_port())
+            workers.append(start_worker(role, ["--host", "127.0.0.1", "--port", "0", "--model", model,
+                                               "--num-threads", str(threads), "--no-load-progress", "--metrics-port",
+                                               str(metrics_ports[-1]), *engine_flags, *extra]))
     try:
         wait_ready(workers, timeout_s=300)
         router, url = start_router([w.address for w in workers], model, *router_flags)
     except BaseException:
         stop_workers(workers, grace_s=5)
         raise
-    return Cluster(url, workers, router, model)
+    return Cluster(url, workers, router, model, {"metrics_ports": metrics_ports})
 
 
 def stop_cluster(cluster: Cluster) -> None:

@@ -1,0 +1,190 @@
+"""Disaggregated serving over real processes: outputs identical to colocated serving, and
+every fault (dropped, corrupt, stalled transfer; a prefill or decode worker killed) ends with
+the right output, no leaked block, and the fault counted."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import start_cluster, stop_cluster
+
+pytestmark = pytest.mark.integration
+MODEL = "smollm2-135m-instruct"
+DISAGG = ["--disagg-min-prompt-tokens", "16", "--disagg-min-uncached-tokens", "8"]
+ENGINE = ["--kv-cache-memory-gb", "0.25"]
+
+
+def workload(n: int = 32, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths, half of them sharing a 48-token prefix."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1000, 40000) for _ in range(48)]
+    out = []
+    for i in range(n):
+        own = [rng.randrange(1000, 40000) for _ in range(rng.randint(20, 160))]
+        out.append(shared + own[:40] if i % 2 else own)
+    return out
+
+
+async def _complete(url: str, prompt: list[int], max_tokens: int) -> tuple[str, list[str]]:
+    """Stream one completion; (text, chunks)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    chunks = []
+    async with httpx.AsyncClient(timeout=300) as client, client.stream("POST", url + "/v1/completions",
+                                                                       json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                import json
+
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                chunks.extend(c["text"] for c in chunk["choices"] if c["text"])
+    return "".join(chunks), chunks
+
+
+def run_all(url: str, prompts: list[list[int]], max_tokens: int = 16) -> list[str]:
+    async def main():
+        return await asyncio.gather(*(_complete(url, p, max_tokens) for p in prompts))
+
+    return [text for text, _ in asyncio.run(main())]
+
+
+def no_leaks(cluster) -> None:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        stats = cluster.stats()
+        if all(s.num_running == 0 and s.num_waiting == 0 and s.num_free_kv_blocks == s.num_kv_blocks for s in stats):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"blocks or requests left behind: {stats}")
+
+
+def router_counter(url: str, name: str, label: str = "") -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and label in line and not line.startswith("#"))
+
+
+@pytest.fixture(scope="module")
+def colocated_texts():
+    cluster = start_cluster(MODEL, decode=2, engine_flags=ENGINE)
+    try:
+        texts = run_all(cluster.base_url, workload())
+        no_leaks(cluster)
+        return texts
+    finally:
+        stop_cluster(cluster)
+
+
+def test_32_concurrent_requests_identical_to_colocated(colocated_texts):
+    cluster = start_cluster(MODEL, decode=1, prefill=1, engine_flags=ENGINE, router_flags=DISAGG)
+    try:
+        assert run_all(cluster.base_url, workload()) == colocated_texts
+        assert router_counter(cluster.base_url, "pdserve_router_prefill_decisions_total", 'outcome="remote"') >= 16
+        assert cluster.worker_metric(1, "pdserve_kv_transfers_total") >= 16
+        assert cluster.worker_metric(1, "pdserve_kv_transfer_failures_total") == 0
+        no_leaks(cluster)
+    finally:
+        stop_cluster(cluster)
+
+
+@pytest.mark.parametrize("fault,reason", [("drop:3", "incomplete"), ("corrupt:5", "checksum"),
+                                          ("stall:4", "lease_expired")])
+def test_transfer_faults_recompute_with_the_same_output(colocated_texts, fault, reason):
+    cluster = start_cluster(MODEL, decode=1, prefill=1, engine_flags=ENGINE, router_flags=DISAGG,
+                            prefill_flags=["--kv-fault", fault], decode_flags=["--kv-lease-ms", "1500"])
+    try:
+        prompts = workload()[:6]
+        assert run_all(cluster.base_url, prompts) == colocated_texts[:6]
+        assert cluster.worker_metric(1, f'pdserve_kv_transfer_failures_total{{reason="{reason}"}}') >= 1
+        assert cluster.worker_metric(1, 'pdserve_kv_transfers_total{outcome="recomputed"}') >= 1
+        no_leaks(cluster)
+    finally:
+        stop_cluster(cluster)
+
+
+def test_prefill_worker_killed_mid_transfer(colocated_texts):
+    # The prefill worker stalls before committing; it is killed while its transfers hang.
+    cluster = start_cluster(MODEL, decode=1, prefill=1, engine_flags=ENGINE, router_flags=DISAGG,
+                            prefill_flags=["--kv-fault", "stall:30"], decode_flags=["--kv-lease-ms", "20000"])
+    try:
+        prompts = workload()[:4]
+
+        async def main():
+            tasks = [asyncio.create_task(_complete(cluster.base_url, p, 16)) for p in prompts]
+            await asyncio.sleep(3.0)  # first tokens sent, transfers stalled
+            cluster.workers[0].process.send_signal(signal.SIGKILL)
+            return [t for t, _ in await asyncio.wait_for(asyncio.gather(*tasks), 120)]
+
+        assert asyncio.run(main()) == colocated_texts[:4]
+        assert cluster.worker_metric(1, 'pdserve_kv_transfer_failures_total{reason="stream_broken"}') >= 1
+        assert run_all(cluster.base_url, workload()[4:6]) == colocated_texts[4:6]  # served without it
+        no_leaks(cluster)
+    finally:
+        stop_cluster(cluster)
+
+
+def test_decode_worker_killed_mid_stream_continues_without_gap_or_repeat():
+    reference = start_cluster(MODEL, decode=1, engine_flags=ENGINE)
+    prompt = workload(1, seed=5)[0]
+    try:
+        expected = run_all(reference.base_url, [prompt], max_tokens=160)[0]
+    finally:
+        stop_cluster(reference)
+    cluster = start_cluster(MODEL, decode=2, prefill=1, engine_flags=ENGINE, router_flags=DISAGG)
+    try:
+        async def main():
+            task = asyncio.create_task(_complete(cluster.base_url, prompt, 160))
+            deadline = time.monotonic() + 60
+            victim = None
+            while victim is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.3)
+                stats = cluster.stats()[1:]  # the decode workers
+                busy = [i for i, s in enumerate(stats, start=1) if s.num_running > 0 and s.generation_tokens_total > 20]
+                victim = busy[0] if busy else None
+            assert victim is not None, "the request never ran"
+            cluster.workers[victim].process.send_signal(signal.SIGKILL)
+            return await asyncio.wait_for(task, 120)
+
+        text, chunks = asyncio.run(main())
+        assert text == expected
+        assert router_counter(cluster.base_url, "pdserve_router_migrations_total") >= 1
+        assert router_counter(cluster.base_url, "pdserve_router_faults_total", 'reason="decode_worker_lost"') >= 1
+    finally:
+        stop_cluster(cluster)
+
+
+def test_mismatched_prefill_worker_is_refused_at_the_handshake():
+    import grpc
+
+    from pdserve.proto.v1 import worker_pb2 as pb
+    from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
+
+    cluster = start_cluster(MODEL, decode=1, prefill=1, engine_flags=ENGINE, router_flags=DISAGG,
+                            prefill_flags=["--block-size", "32"])
+    try:
+        decode = pb_grpc.WorkerStub(grpc.insecure_channel(cluster.workers[1].address))
+        prefill = pb_grpc.WorkerStub(grpc.insecure_channel(cluster.workers[0].address))
+        sampling = pb.SamplingParams(temperature=0, top_p=1, max_tokens=4, repetition_penalty=1)
+        prompt = workload(1)[0]
+        res = decode.Reserve(pb.ReserveRequest(request_id="m", prompt_token_ids=prompt, sampling=sampling))
+        with pytest.raises(grpc.RpcError) as e:
+            list(prefill.Prefill(pb.PrefillRequest(request_id="m", prompt_token_ids=prompt, sampling=sampling,
+                                                   destination=res)))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "block_size: sender 32, receiver 16" in e.value.details()
+        decode.Abort(pb.AbortRequest(request_ids=["m"]))
+        # Through the router, the mismatched prefill worker is never paired: requests prefill locally.
+        assert run_all(cluster.base_url, [prompt], 8)[0]
+        assert router_counter(cluster.base_url, "pdserve_router_prefill_decisions_total", 'outcome="remote"') == 0 \
+            or router_counter(cluster.base_url, "pdserve_router_faults_total", "no_prefill_worker") >= 1
+        no_leaks(cluster)
+    finally:
+        stop_cluster(cluster)
