@@ -96,7 +96,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         worker_flags += ["--kv-lease-ms", str(args.kv_lease_ms)]
     _exit_on_sigterm()
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
-    workers = [start_worker(role, worker_flags) for role in roles]
+    decode_flags = ["--kv-backend", args.kv_backend]
+    workers = [start_worker(role, worker_flags + (decode_flags if role == "decode" else [])) for role in roles]
     try:
         log.info("starting %d prefill and %d decode worker(s) with %s", args.prefill, args.decode, engine.model)
         wait_ready(workers)
@@ -118,6 +119,9 @@ def add_commands(sub) -> None:
     serve.add_argument("--decode", type=int, default=1, help="number of decode workers (default: 1)")
     serve.add_argument("--prefill", type=int, default=1,
                        help="number of prefill workers; 0 serves colocated (default: 1)")
+    serve.add_argument("--kv-backend", choices=["grpc", "torch"], default="grpc",
+                       help="how prefill workers send KV to decode workers: grpc, or torch (torch.distributed: gloo "
+                            "on CPU, nccl on GPU) (default: grpc)")
     serve.add_argument("--kv-lease-ms", type=int, default=None,
                        help="how long a decode worker's reserved blocks wait for their KV (default: the worker's)")
     add_arguments(serve.add_argument_group("router"), RouterConfig)

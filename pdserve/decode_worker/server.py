@@ -31,6 +31,7 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Literal
 
 import grpc
 
@@ -59,6 +60,9 @@ class WorkerConfig:
     metrics_port: int | None = doc(None, "serve Prometheus metrics over HTTP on this port (default: off)")
     grace_s: float = doc(30.0, "on SIGTERM, how long in-flight requests may take to finish")
     kv_lease_ms: int = doc(10000, "decode: how long reserved blocks wait for their KV before computing locally")
+    kv_backend: Literal["grpc", "torch"] = doc(
+        "grpc", "decode: how prefill workers send KV here: grpc, or torch (torch.distributed point-to-point: gloo "
+                "on CPU, nccl on GPU; control messages over gRPC)")
     kv_fault: str = doc("", "prefill, tests only: inject a transfer fault (drop:LAYER, corrupt:LAYER, "
                             "stall:SECONDS)")
 
@@ -82,6 +86,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.layout = engine_layout(engine.engine)
         self.receiver = KVReceiver(engine.engine.runner.kv_cache, self.layout)
         self._resumed: set[str] = set()
+        self.torch_receiving = None  # set by serve() for the torch backend
+        self.backend_info: dict[str, str] = {}
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -169,7 +175,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         lease_s = (request.lease_ms or self.config.kv_lease_ms) / 1000
         self.receiver.expect(request.request_id, block_ids, cached // self.layout.block_size, lease_s)
         return pb.ReserveResponse(handle=request.request_id, cached_tokens=cached, layout=self.layout.to_proto(pb),
-                                  kv_address=self.address, backend="grpc")
+                                  kv_address=self.address, backend=self.config.kv_backend,
+                                  backend_info=self.backend_info)
 
     async def PushKV(self, request_iterator, context) -> pb.PushKVResponse:
         handle = None
@@ -181,11 +188,21 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 if chunk.commit:
                     self.receiver.commit(handle)
                     return pb.PushKVResponse(ok=True)
-                self.receiver.chunk(handle, chunk.layer, chunk.first_block, chunk.keys, chunk.values, chunk.checksum)
+                if chunk.peer:  # torch backend: the tensor travels by torch.distributed
+                    if self.torch_receiving is None:
+                        raise TransferError("backend", "this worker does not receive with the torch backend")
+                    keys, values = await asyncio.get_running_loop().run_in_executor(
+                        self.torch_receiving.pool, self.torch_receiving.receive, chunk)
+                    self.receiver.chunk(handle, chunk.layer, chunk.first_block, keys, values, None)
+                else:
+                    self.receiver.chunk(handle, chunk.layer, chunk.first_block, chunk.keys, chunk.values,
+                                        chunk.checksum)
             if handle is not None:
                 self.receiver.fail(handle, "stream_broken", "the stream ended without a commit")
             return pb.PushKVResponse(ok=False, error="the stream ended without a commit")
         except TransferError as e:
+            if handle is not None:
+                self.receiver.fail(handle, e.reason, str(e))
             return pb.PushKVResponse(ok=False, error=f"{e.reason}: {e}")
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             if handle is not None:
@@ -245,6 +262,21 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.DrainResponse(remaining=self.engine.num_active)
 
 
+def _host_torch_rendezvous(servicer: WorkerServicer, host: str, engine: LLMEngine) -> None:
+    import socket
+
+    from pdserve.kvtransfer.torch_backend import TorchReceiving, host_store
+
+    with socket.socket() as s:  # a free port for the TCPStore
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    servicer.store = host_store(host, port)  # kept alive with the servicer
+    address = f"{host}:{port}"
+    cache = engine.runner.kv_cache
+    servicer.torch_receiving = TorchReceiving(address, servicer.layout, cache.dtype, cache.device)
+    servicer.backend_info = {"store": address}
+
+
 async def serve(engine: LLMEngine, config: WorkerConfig, servicer_cls: type[WorkerServicer] = WorkerServicer) -> None:
     """Serve until SIGTERM/SIGINT, then drain for up to ``grace_s`` and stop."""
     gc.collect()
@@ -258,6 +290,8 @@ async def serve(engine: LLMEngine, config: WorkerConfig, servicer_cls: type[Work
     worker_id = config.worker_id or f"{role}-{config.host}-{port}-{uuid.uuid4().hex[:4]}"
     servicer = servicer_cls(async_engine, worker_id, config, f"{config.host}:{port}")
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    if config.kv_backend == "torch" and role == "decode":
+        _host_torch_rendezvous(servicer, config.host, engine)
     await server.start()
     sweeper = asyncio.create_task(servicer.sweep_expired())
     if config.metrics_port is not None:

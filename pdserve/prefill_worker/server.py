@@ -43,6 +43,16 @@ class PrefillServicer(WorkerServicer):
         llm = engine.engine
         self.exporter = KVExporter(llm.runner, llm.block_size, llm.model_config.num_layers)
         self.sender = GrpcSender(asyncio.get_running_loop(), KVFaults.parse(config.kv_fault))
+        self.torch_sender = None  # made when a destination first asks for the torch backend
+
+    def _sender(self, backend: str):
+        if backend != "torch":
+            return self.sender
+        if self.torch_sender is None:
+            from pdserve.kvtransfer.torch_backend import TorchSender
+
+            self.torch_sender = TorchSender(self.sender, self.worker_id)
+        return self.torch_sender
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         if self.draining:
@@ -51,9 +61,9 @@ class PrefillServicer(WorkerServicer):
         problem = KVLayout.from_proto(dest.layout).mismatch(self.layout)  # the destination receives
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused at the handshake: {problem}")
-        if dest.backend not in ("", "grpc"):
+        if dest.backend not in ("", "grpc", "torch"):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"this prefill worker sends with 'grpc', the destination expects {dest.backend!r}")
+                                f"unknown transfer backend {dest.backend!r} (this worker sends with grpc or torch)")
         try:
             params = convert.sampling_from_proto(request.sampling)
             params = params.replace(max_tokens=1, min_tokens=min(params.min_tokens, 1))
@@ -61,7 +71,7 @@ class PrefillServicer(WorkerServicer):
             stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt or None)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.encode_invalid(e))
-        session = self.sender.open(dest, self.layout, len(prompt))
+        session = self._sender(dest.backend).open(dest, self.layout, len(prompt))
         skip = dest.cached_tokens // self.layout.block_size
         self.exporter.add(request.request_id, Export(session, skip, len(prompt)))
         try:

@@ -83,8 +83,10 @@ def colocated_texts():
         stop_cluster(cluster)
 
 
-def test_32_concurrent_requests_identical_to_colocated(colocated_texts):
-    cluster = start_cluster(MODEL, decode=1, prefill=1, engine_flags=ENGINE, router_flags=DISAGG)
+@pytest.mark.parametrize("backend", ["grpc", "torch"])
+def test_32_concurrent_requests_identical_to_colocated(colocated_texts, backend):
+    cluster = start_cluster(MODEL, decode=1, prefill=1, engine_flags=ENGINE, router_flags=DISAGG,
+                            decode_flags=["--kv-backend", backend])
     try:
         assert run_all(cluster.base_url, workload()) == colocated_texts
         assert router_counter(cluster.base_url, "pdserve_router_prefill_decisions_total", 'outcome="remote"') >= 16
@@ -95,11 +97,13 @@ def test_32_concurrent_requests_identical_to_colocated(colocated_texts):
         stop_cluster(cluster)
 
 
-@pytest.mark.parametrize("fault,reason", [("drop:3", "incomplete"), ("corrupt:5", "checksum"),
-                                          ("stall:4", "lease_expired")])
-def test_transfer_faults_recompute_with_the_same_output(colocated_texts, fault, reason):
+@pytest.mark.parametrize("fault,reason,backend", [("drop:3", "incomplete", "grpc"), ("corrupt:5", "checksum", "grpc"),
+                                                  ("stall:4", "lease_expired", "grpc"),
+                                                  ("corrupt:2", "checksum", "torch")])
+def test_transfer_faults_recompute_with_the_same_output(colocated_texts, fault, reason, backend):
     cluster = start_cluster(MODEL, decode=1, prefill=1, engine_flags=ENGINE, router_flags=DISAGG,
-                            prefill_flags=["--kv-fault", fault], decode_flags=["--kv-lease-ms", "1500"])
+                            prefill_flags=["--kv-fault", fault],
+                            decode_flags=["--kv-lease-ms", "1500", "--kv-backend", backend])
     try:
         prompts = workload()[:6]
         assert run_all(cluster.base_url, prompts) == colocated_texts[:6]

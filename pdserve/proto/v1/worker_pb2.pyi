@@ -256,7 +256,7 @@ class ReserveResponse(_message.Message):
     def __init__(self, handle: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., kv_address: _Optional[str] = ..., backend: _Optional[str] = ..., backend_info: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("handle", "layout", "total_tokens", "layer", "first_block", "num_blocks", "keys", "values", "checksum", "commit")
+    __slots__ = ("handle", "layout", "total_tokens", "layer", "first_block", "num_blocks", "keys", "values", "checksum", "commit", "peer", "tag")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +267,8 @@ class KVChunk(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     handle: str
     layout: KVLayout
     total_tokens: int
@@ -277,7 +279,9 @@ class KVChunk(_message.Message):
     values: bytes
     checksum: int
     commit: bool
-    def __init__(self, handle: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., total_tokens: _Optional[int] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., checksum: _Optional[int] = ..., commit: _Optional[bool] = ...) -> None: ...
+    peer: str
+    tag: int
+    def __init__(self, handle: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., total_tokens: _Optional[int] = ..., layer: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., keys: _Optional[bytes] = ..., values: _Optional[bytes] = ..., checksum: _Optional[int] = ..., commit: _Optional[bool] = ..., peer: _Optional[str] = ..., tag: _Optional[int] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("ok", "error")
