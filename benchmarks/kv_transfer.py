@@ -218,11 +218,12 @@ def main() -> None:
     finally:
         stop_workers(workers, grace_s=10)
     print("\nPart 1: KV bytes per second on loopback (best of", args.reps, ")")
-    print("prompt tokens | KV MB | grpc MB/s | torch (gloo) MB/s | local MB/s | memcpy MB/s | raw TCP MB/s | grpc / TCP")
+    print("prompt tokens | KV MB | grpc MB/s | torch (gloo) MB/s | local MB/s | memcpy MB/s | raw TCP MB/s "
+          "| grpc / TCP")
     print("--- | --- | --- | --- | --- | --- | --- | ---")
     for r in rows:
-        print(f"{r['tokens']} | {r['mb']:.1f} | {r['grpc'] / 1e6:.0f} | {r['torch'] / 1e6:.0f} | {r['local'] / 1e6:.0f} | "
-              f"{r['memcpy'] / 1e6:.0f} | {r['tcp'] / 1e6:.0f} | {r['grpc'] / r['tcp']:.2f}")
+        print(f"{r['tokens']} | {r['mb']:.1f} | {r['grpc'] / 1e6:.0f} | {r['torch'] / 1e6:.0f} | "
+              f"{r['local'] / 1e6:.0f} | {r['memcpy'] / 1e6:.0f} | {r['tcp'] / 1e6:.0f} | {r['grpc'] / r['tcp']:.2f}")
     t = ttft_row
     print(f"\nPart 2: 2048-token prompt, median of {t['runs']} (1 thread per worker)")
     print("colocated TTFT (s) | disaggregated TTFT (s) | added | transfer committed at (s)")

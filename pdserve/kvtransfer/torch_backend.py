@@ -32,34 +32,44 @@ def host_store(host: str, port: int, timeout_s: float = 60.0) -> dist.TCPStore:
 
 
 class PairGroups:
-    """Process groups of two, one per (sender, receiver) pair, made on first use (blocking until
-    the other side joins)."""
+    """Process groups of two, one per (store, group name), made on first use: blocking until the
+    other side joins, and never twice at once for the same name (concurrent receives of a new
+    peer's first chunks wait for the one rendezvous). A group that failed is never made again
+    under its name: the sender moves on to the next generation of the name (``peer/N``)."""
 
     def __init__(self, timeout_s: float = 30.0):
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._groups: dict[tuple[str, str], object] = {}
+        self._making: dict[tuple[str, str], threading.Lock] = {}
+        self._dead: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
-    def get(self, store_address: str, peer: str, rank: int, device: torch.device):
-        key = (store_address, peer)
+    def get(self, store_address: str, name: str, rank: int, device: torch.device):
+        key = (store_address, name)
         with self._lock:
-            group = self._groups.get(key)
-        if group is not None:
+            making = self._making.setdefault(key, threading.Lock())
+        with making:
+            with self._lock:
+                if key in self._dead:
+                    raise TransferError("peer_group", f"process group {name!r} failed earlier")
+                group = self._groups.get(key)
+            if group is not None:
+                return group
+            host, port = store_address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
+            prefixed = dist.PrefixStore(f"{_GROUP_PREFIX}/{name}", store)
+            if device.type == "cuda":
+                group = dist.ProcessGroupNCCL(prefixed, rank, 2)
+            else:
+                group = dist.ProcessGroupGloo(prefixed, rank, 2, self.timeout)
+            with self._lock:
+                self._groups[key] = group
             return group
-        host, port = store_address.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
-        prefixed = dist.PrefixStore(f"{_GROUP_PREFIX}/{peer}", store)
-        if device.type == "cuda":
-            group = dist.ProcessGroupNCCL(prefixed, rank, 2)
-        else:
-            group = dist.ProcessGroupGloo(prefixed, rank, 2, self.timeout)
-        with self._lock:
-            self._groups[key] = group
-        return group
 
-    def forget(self, store_address: str, peer: str) -> None:
+    def fail(self, store_address: str, name: str) -> None:
         with self._lock:
-            self._groups.pop((store_address, peer), None)
+            self._groups.pop((store_address, name), None)
+            self._dead.add((store_address, name))
 
 
 class TorchSender:
@@ -69,7 +79,19 @@ class TorchSender:
         self.groups = groups or PairGroups()
         self._tags = itertools.count()
         self._executors: dict[str, ThreadPoolExecutor] = {}  # one sending thread per destination, in order
+        self._generation: dict[str, int] = {}  # per destination store: bumped when a group fails
         self._lock = threading.Lock()
+
+    def group_name(self, store: str) -> str:
+        with self._lock:
+            return f"{self.peer}/{self._generation.get(store, 0)}"
+
+    def group_failed(self, store: str, name: str) -> None:
+        """Make the next transfer to ``store`` rendezvous afresh under a new name."""
+        self.groups.fail(store, name)
+        with self._lock:
+            if name == f"{self.peer}/{self._generation.get(store, 0)}":
+                self._generation[store] = self._generation.get(store, 0) + 1
 
     def executor(self, store: str) -> ThreadPoolExecutor:
         with self._lock:
@@ -90,7 +112,15 @@ class TorchSession(GrpcSession):
         self.torch_sender = sender
         self.store = destination.backend_info["store"]
         self._executor = sender.executor(self.store)
+        self.group = sender.group_name(self.store)
         self._pending: list = []
+        self.done.add_done_callback(self._on_done)
+
+    def _on_done(self, done) -> None:
+        self._pending.clear()
+        ok, error = done.result()
+        if not ok and error and error.startswith("peer_group:"):  # the receiver lost the group
+            self.torch_sender.group_failed(self.store, self.group)
 
     def send_layer(self, layer: int, first_block: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         faults = self.sender.faults
@@ -104,7 +134,7 @@ class TorchSession(GrpcSession):
         self._executor.submit(self._send, buf, tag)
         self.sent_bytes += buf.numel() * buf.element_size()
         self._put(pb.KVChunk(handle=self.handle, layer=layer, first_block=first_block, num_blocks=keys.shape[0],
-                             checksum=crc, peer=self.torch_sender.peer, tag=tag))
+                             checksum=crc, peer=self.group, tag=tag))
 
     def _send(self, buf: torch.Tensor, tag: int) -> None:
         """Post the send (not waiting: every tensor of every transfer is posted at once, so no
@@ -112,15 +142,14 @@ class TorchSession(GrpcSession):
         transfer is over."""
         sender = self.torch_sender
         try:
-            group = sender.groups.get(self.store, sender.peer, 0, buf.device)
+            group = sender.groups.get(self.store, self.group, 0, buf.device)
             work = group.send([buf], 1, tag)
         except Exception as e:  # the receiver went away: the next transfer makes a new group
-            sender.groups.forget(self.store, sender.peer)
+            sender.group_failed(self.store, self.group)
             self.abort(f"torch.distributed send failed: {e}")
             return
-        self._pending.append((work, buf))
-        if len(self._pending) == 1:
-            self.done.add_done_callback(lambda _: self._pending.clear())
+        if not self.done.done():
+            self._pending.append((work, buf))
 
 
 class TorchReceiving:
@@ -142,9 +171,11 @@ class TorchReceiving:
         try:
             group = self.groups.get(self.store_address, chunk.peer, 1, self.device)
             group.recv([buf], 0, chunk.tag).wait()
-        except Exception as e:
-            self.groups.forget(self.store_address, chunk.peer)
-            raise TransferError("stream_broken", f"torch.distributed recv failed: {e}") from e
+        except TransferError:
+            raise
+        except Exception as e:  # the group is unusable: the sender starts a new one on this reason
+            self.groups.fail(self.store_address, chunk.peer)
+            raise TransferError("peer_group", f"torch.distributed recv from {chunk.peer!r} failed: {e}") from e
         if checksum(tensor_bytes(buf if buf.device.type == "cpu" else buf.cpu())) != chunk.checksum:
             raise TransferError("checksum", f"layer {chunk.layer}, blocks from {chunk.first_block}: checksum mismatch")
         keys, values = buf.view(2, chunk.num_blocks, per_block).unbind(0)
