@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -14,17 +15,22 @@ from pdserve.engine.config import EngineConfig
 log = logging.getLogger(__name__)
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return from_dict(EngineConfig, collect_arguments(args, EngineConfig))
+def _serve_config(args: argparse.Namespace, **sections: dict):
+    """The effective ServeConfig: defaults, then ``--config``'s file, then the given flags."""
+    from pdserve.cluster.config import load_serve_config
+
+    return load_serve_config(getattr(args, "config", None), {k: v for k, v in sections.items() if v})
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from pdserve.decode_worker.server import WorkerConfig, WorkerServicer, serve
     from pdserve.engine.engine import LLMEngine
 
-    config = _engine_config(args)
-    worker = from_dict(WorkerConfig, collect_arguments(args, WorkerConfig))
-    engine = LLMEngine(config)
+    cluster = _serve_config(args, engine=collect_arguments(args, EngineConfig))
+    worker_options = {"kv_backend": cluster.kv_transfer.backend, "kv_lease_ms": cluster.kv_transfer.lease_ms,
+                      **collect_arguments(args, WorkerConfig)}
+    worker = from_dict(WorkerConfig, worker_options)
+    engine = LLMEngine(cluster.engine)
     servicer = WorkerServicer
     if args.role == "prefill":
         from pdserve.prefill_worker.server import PrefillServicer
@@ -59,8 +65,26 @@ def _run_router(router_config, model: str, addresses: list[str]) -> None:
 def cmd_router(args: argparse.Namespace) -> int:
     from pdserve.router.app import RouterConfig
 
-    config = from_dict(RouterConfig, collect_arguments(args, RouterConfig))
-    _run_router(config, args.model, args.worker)
+    engine = {"model": args.model} if args.model else {}
+    cluster = _serve_config(args, router=collect_arguments(args, RouterConfig), engine=engine)
+    _run_router(cluster.router, cluster.engine.model, args.worker)
+    return 0
+
+
+def _serve_overrides(args: argparse.Namespace) -> dict:
+    from pdserve.router.app import RouterConfig
+
+    pools = {role: {"replicas": n} for role, n in (("prefill", args.prefill), ("decode", args.decode))
+             if n is not None}
+    kv = {k: v for k, v in (("backend", args.kv_backend), ("lease_ms", args.kv_lease_ms)) if v is not None}
+    return {"engine": collect_arguments(args, EngineConfig), "router": collect_arguments(args, RouterConfig),
+            "pools": pools, "kv_transfer": kv}
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from pdserve.cluster.config import to_yaml
+
+    print(to_yaml(_serve_config(args, **_serve_overrides(args))), end="")
     return 0
 
 
@@ -79,32 +103,46 @@ def _exit_on_sigterm() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready
-    from pdserve.router.app import RouterConfig
 
-    engine_options = collect_arguments(args, EngineConfig)
-    engine = from_dict(EngineConfig, engine_options)  # validate before starting anything
-    router_config = from_dict(RouterConfig, collect_arguments(args, RouterConfig))
-    if args.decode < 1:
-        raise ValueError(f"--decode: at least one decode worker is needed, got {args.decode}")
-    if args.prefill < 0:
-        raise ValueError(f"--prefill: must not be negative, got {args.prefill}")
-    if engine.num_threads is None:
-        engine_options["num_threads"] = max(1, (os.cpu_count() or 1) // (args.decode + args.prefill))
+    cluster = _serve_config(args, **_serve_overrides(args))  # validated before anything starts
+    n_prefill, n_decode = cluster.pools.prefill.replicas, cluster.pools.decode.replicas
+    engine_options = dataclasses.asdict(cluster.engine)
+    if cluster.engine.num_threads is None:
+        engine_options["num_threads"] = max(1, (os.cpu_count() or 1) // (n_decode + n_prefill))
     flags = to_flags({**engine_options, "load_progress": False})
-    worker_flags = ["--host", "127.0.0.1", "--port", "0", *flags]
-    if args.kv_lease_ms is not None:
-        worker_flags += ["--kv-lease-ms", str(args.kv_lease_ms)]
+    worker_flags = ["--host", "127.0.0.1", "--port", "0", *flags,
+                    "--kv-lease-ms", str(cluster.kv_transfer.lease_ms)]
     _exit_on_sigterm()
-    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
-    decode_flags = ["--kv-backend", args.kv_backend]
+    roles = ["prefill"] * n_prefill + ["decode"] * n_decode
+    decode_flags = ["--kv-backend", cluster.kv_transfer.backend]
     workers = [start_worker(role, worker_flags + (decode_flags if role == "decode" else [])) for role in roles]
     try:
-        log.info("starting %d prefill and %d decode worker(s) with %s", args.prefill, args.decode, engine.model)
+        log.info("starting %d prefill and %d decode worker(s) with %s", n_prefill, n_decode, cluster.engine.model)
         wait_ready(workers)
-        _run_router(router_config, engine.model, [w.address for w in workers])
+        _run_router(cluster.router, cluster.engine.model, [w.address for w in workers])
     finally:
         stop_workers(workers)
     return 0
+
+
+CONFIG_HELP = "a cluster YAML file (see deploy/examples/); flags override its values"
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    from pdserve.router.app import RouterConfig
+
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    parser.add_argument("--decode", type=int, default=None, help="number of decode workers (default: 1)")
+    parser.add_argument("--prefill", type=int, default=None,
+                        help="number of prefill workers; 0 serves colocated (default: 1)")
+    parser.add_argument("--kv-backend", choices=["grpc", "torch"], default=None,
+                        help="how prefill workers send KV to decode workers: grpc, or torch (torch.distributed: gloo "
+                             "on CPU, nccl on GPU) (default: grpc)")
+    parser.add_argument("--kv-lease-ms", type=int, default=None,
+                        help="how long a decode worker's reserved blocks wait for their KV before computing the "
+                             "prompt itself (default: 10000)")
+    add_arguments(parser.add_argument_group("router"), RouterConfig)
+    add_arguments(parser.add_argument_group("engine (every worker)"), EngineConfig)
 
 
 def add_commands(sub) -> None:
@@ -116,24 +154,26 @@ def add_commands(sub) -> None:
         description="Start prefill and decode workers (one process each) and the router in front of them; "
                     "Ctrl-C or SIGTERM stops them all. Disaggregated by default (one prefill, one decode worker); "
                     "--prefill 0 serves colocated (decode workers prefill their own prompts).")
-    serve.add_argument("--decode", type=int, default=1, help="number of decode workers (default: 1)")
-    serve.add_argument("--prefill", type=int, default=1,
-                       help="number of prefill workers; 0 serves colocated (default: 1)")
-    serve.add_argument("--kv-backend", choices=["grpc", "torch"], default="grpc",
-                       help="how prefill workers send KV to decode workers: grpc, or torch (torch.distributed: gloo "
-                            "on CPU, nccl on GPU) (default: grpc)")
-    serve.add_argument("--kv-lease-ms", type=int, default=None,
-                       help="how long a decode worker's reserved blocks wait for their KV (default: the worker's)")
-    add_arguments(serve.add_argument_group("router"), RouterConfig)
-    add_arguments(serve.add_argument_group("engine (every worker)"), EngineConfig)
+    _add_cluster_arguments(serve)
     serve.set_defaults(func=cmd_serve)
+
+    config = sub.add_parser("config", help="inspect the configuration", description="Configuration tools.")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser(
+        "show", help="print the effective configuration as YAML",
+        description="Print the configuration `pdserve serve` would run with (the --config file and any flags "
+                    "laid over the defaults), every default filled in. Exits 2 naming the key if it is invalid.")
+    _add_cluster_arguments(show)
+    show.set_defaults(func=cmd_config_show)
 
     router = sub.add_parser("router", help="run the router alone, in front of running workers",
                             description="The OpenAI-compatible router, dispatching to the given workers.")
     router.add_argument("--worker", action="append", required=True, metavar="HOST:PORT",
                         help="a worker's gRPC address (repeatable)")
-    router.add_argument("--model", default=EngineConfig.model,
-                        help="model spec whose tokenizer and chat template to use (default: %(default)s)")
+    router.add_argument("--model", default=None,
+                        help="model spec whose tokenizer and chat template to use (default: the config's engine.model, "
+                             f"else {EngineConfig.model})")
+    router.add_argument("--config", metavar="FILE", help=CONFIG_HELP + " (reads the router and engine.model sections)")
     add_arguments(router, RouterConfig)
     router.set_defaults(func=cmd_router)
 
@@ -142,11 +182,13 @@ def add_commands(sub) -> None:
     roles = worker.add_subparsers(dest="role", required=True)
     decode = roles.add_parser("decode", help="a decode worker (receives KV from prefill workers, or prefills "
                                              "its own prompts)")
+    decode.add_argument("--config", metavar="FILE", help=CONFIG_HELP + " (reads the engine and kv_transfer sections)")
     add_arguments(decode.add_argument_group("worker"), WorkerConfig)
     add_arguments(decode.add_argument_group("engine"), EngineConfig)
     decode.set_defaults(func=cmd_worker)
     prefill = roles.add_parser("prefill", help="a prefill worker (computes prompts, sends their KV to decode "
                                                "workers)")
+    prefill.add_argument("--config", metavar="FILE", help=CONFIG_HELP + " (reads the engine section)")
     add_arguments(prefill.add_argument_group("worker"), WorkerConfig)
     add_arguments(prefill.add_argument_group("engine"), EngineConfig)
     prefill.set_defaults(func=cmd_worker)

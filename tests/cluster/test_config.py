@@ -1,0 +1,99 @@
+"""The cluster YAML: every example validates, flags override the file, bad files are refused
+with a message naming the key (``pdserve config show`` run as a user would)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.cluster.config import ServeConfig, load_serve_config
+from pdserve.configs import ConfigError
+from pdserve.router.policy import DisaggregationConfig, prefill_route
+from tests.cluster.test_cli import pdserve
+
+EXAMPLES = sorted((Path(__file__).parents[2] / "deploy" / "examples").glob("*.yaml"))
+
+
+def test_examples_exist():
+    assert {p.name for p in EXAMPLES} >= {"single-machine.yaml", "colocated.yaml"}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_validates(path):
+    config = load_serve_config(path)
+    assert isinstance(config, ServeConfig)
+    assert config.pools.decode.replicas >= 1
+
+
+def test_defaults_serve_disaggregated():
+    config = load_serve_config(None)
+    assert (config.pools.prefill.replicas, config.pools.decode.replicas) == (1, 1)
+    assert config.kv_transfer.backend == "grpc"
+
+
+def test_flags_override_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("router: {disagg_min_prompt_tokens: 300, port: 9000}\npools: {decode: {replicas: 2}}\n")
+    config = load_serve_config(path, {"router": {"port": 9100}})
+    assert (config.router.port, config.router.disagg_min_prompt_tokens) == (9100, 300)
+    assert config.pools.decode.replicas == 2 and config.pools.prefill.replicas == 1
+
+
+def test_the_yaml_thresholds_drive_the_disaggregation_decision(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("router: {disagg_min_prompt_tokens: 500, disagg_min_uncached_tokens: 100}\n")
+    router = load_serve_config(path).router
+    decision = DisaggregationConfig(router.disagg_min_prompt_tokens, router.disagg_min_uncached_tokens)
+    assert prefill_route(499, 0, True, decision) == "local_short"
+    assert prefill_route(800, 750, True, decision) == "local_cached"
+    assert prefill_route(800, 0, True, decision) == "remote"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("router: {polcy: x}", "config.router: unknown key(s) ['polcy']"),
+    ("routr: {}", "config: unknown key(s) ['routr']"),
+    ("router: {port: eighty}", "config.router.port: expected int, got str 'eighty'"),
+    ("router: {policy: fastest}", "config.router.policy: 'fastest' is not one of"),
+    ("pools: {decode: {replicas: 0}}", "pools.decode.replicas: at least one decode worker is needed, got 0"),
+    ("pools: {prefill: {replicas: -1}}", "pools.prefill.replicas: must not be negative"),
+    ("kv_transfer: {backend: rdma}", "config.kv_transfer.backend: 'rdma' is not one of ['grpc', 'torch']"),
+    ("kv_transfer: {lease_ms: 0}", "kv_transfer.lease_ms: must be positive"),
+    ("router: {disagg_min_prompt_tokens: -5}", "router.disagg_min_prompt_tokens: must not be negative"),
+    ("- 1\n- 2", "must hold a mapping of sections, got list"),
+    ("router: [1", "is not valid YAML"),
+])
+def test_bad_configs_name_the_key(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_serve_config(path)
+    assert message in str(info.value)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read .*nope.yaml"):
+        load_serve_config(tmp_path / "nope.yaml")
+
+
+def test_config_show_prints_the_effective_config(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("router: {disagg_min_uncached_tokens: 32}\n")
+    out = pdserve("config", "show", "--config", str(path), "--prefill", "0", "--max-num-seqs", "8")
+    assert out.returncode == 0, out.stderr
+    shown = yaml.safe_load(out.stdout)
+    assert shown["router"]["disagg_min_uncached_tokens"] == 32
+    assert shown["pools"]["prefill"]["replicas"] == 0
+    assert shown["engine"]["max_num_seqs"] == 8
+    assert shown["engine"]["block_size"] == 16  # defaults filled in
+    assert load_serve_config(None, shown) == load_serve_config(path, {"pools": {"prefill": {"replicas": 0}},
+                                                                      "engine": {"max_num_seqs": 8}})
+
+
+def test_config_show_refuses_a_bad_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("pools: {decode: {replicas: 0}}\n")
+    out = pdserve("config", "show", "--config", str(path))
+    assert out.returncode == 2
+    assert "pools.decode.replicas" in out.stderr
