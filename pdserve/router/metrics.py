@@ -45,7 +45,7 @@ class RouterMetrics:
                                          "remote, or local_short / local_cached / local_no_prefill_worker / "
                                          "local_no_room", ["outcome"], registry=r)
         self.faults = Counter("pdserve_router_faults", "Worker faults handled, by reason (prefill_worker_failed, "
-                              "no_prefill_worker, decode_worker_lost)", ["reason"], registry=r)
+                              "prefill_refused, no_prefill_worker, decode_worker_lost)", ["reason"], registry=r)
         self.migrations = Counter("pdserve_router_migrations", "Requests continued on another decode worker after "
                                   "tokens had streamed", registry=r)
         self.workers_healthy = Gauge("pdserve_router_workers_healthy", "Workers in rotation", registry=r)
