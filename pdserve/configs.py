@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from typing import Any, TypeVar
@@ -134,6 +135,8 @@ def to_flags(options: dict[str, Any]) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
         elif value is not None:
             flags += [flag, str(value)]
     return flags

@@ -28,6 +28,16 @@ class WorkerMetrics:
         self.prompt_tokens = Counter("pdserve_worker_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=r)
         self.generation_tokens = Counter("pdserve_worker_generation_tokens", "Tokens generated", registry=r)
+        # Speculative decoding, per finished request that verified proposals
+        self.spec_proposed = Counter("pdserve_worker_spec_proposed_tokens", "Speculative tokens proposed",
+                                     registry=r)
+        self.spec_accepted = Counter("pdserve_worker_spec_accepted_tokens", "Speculative tokens accepted",
+                                     registry=r)
+        self.spec_acceptance = Histogram("pdserve_worker_spec_acceptance_rate", "Per request: proposals accepted "
+                                         "/ proposed", buckets=[i / 10 for i in range(11)], registry=r)
+        self.spec_accepted_length = Histogram("pdserve_worker_spec_mean_accepted_length", "Per request: tokens "
+                                              "emitted per verification step (accepted proposals + 1)",
+                                              buckets=[1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10], registry=r)
         # KV transfers, decode side (receiving)
         self.kv_transfers = Counter("pdserve_kv_transfers", "Reserved requests resumed, by outcome (ok: the KV "
                                     "landed; recomputed: the prompt was computed here)", ["outcome"], registry=r)

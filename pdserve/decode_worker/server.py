@@ -157,6 +157,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             m.e2e.observe(last - received)
             if out.num_output_tokens > 1 and first is not None and last > first:
                 m.tpot.observe((last - first) / (out.num_output_tokens - 1))
+        if out.spec_steps:
+            m.spec_proposed.inc(out.spec_proposed)
+            m.spec_accepted.inc(out.spec_accepted)
+            m.spec_acceptance.observe(out.spec_accepted / max(out.spec_proposed, 1))
+            m.spec_accepted_length.observe((out.spec_accepted + out.spec_steps) / out.spec_steps)
 
     # ---- remote prefill: the receiving side -----------------------------------------------------
 

@@ -142,6 +142,13 @@ class EngineConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = doc(
         "float32", "weights, activations and KV-cache dtype (float32 is fastest on CPUs without bf16 units)"
     )
+    quantization: Literal["none", "int8", "int4", "awq", "fp8", "gguf"] = doc(
+        "none", "weight-only quantization of the decoder layers' projections, built at load: int8 (per channel), "
+        "int4 (per group), awq (int4 with activation-aware scales calibrated at load), fp8 (CUDA GPUs with FP8 "
+        "only), gguf (keep a .gguf file's own quantized blocks, dequantised per matmul)"
+    )
+    quantization_group_size: int = doc(64, "inputs per int4/awq scale: 32, 64 or 128 (a layer whose input size "
+                                       "it does not divide uses the largest smaller one that does)")
     block_size: int = doc(16, "tokens per KV-cache block")
     kv_cache_memory_gb: float = doc(2.0, "memory budget for the KV cache, in GiB")
     num_kv_blocks: int | None = doc(None, "number of KV-cache blocks; overrides kv_cache_memory_gb")
@@ -156,6 +163,13 @@ class EngineConfig:
         "on first use), auto (cpu on CPUs)"
     )
     load_progress: bool = doc(True, "show a progress bar while the model loads")
+    speculative_config: str | dict | None = doc(
+        None, "speculative decoding, as JSON (or a YAML mapping): {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4} (prompt lookup; also prompt_lookup_min/max), or {\"method\": \"draft\", "
+        "\"model\": SPEC, \"num_speculative_tokens\": 4} (a smaller model with the same vocabulary; "
+        "draft_num_layers keeps its first N layers); greedy output is unchanged, sampled output keeps "
+        "the target's distribution"
+    )
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_batched_tokens", "max_num_seqs")
@@ -166,5 +180,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be positive, got {value}")
+        from pdserve.engine.spec_decode import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)  # refused here, naming the key
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ConfigError(
+                f"EngineConfig.quantization_group_size: {self.quantization_group_size!r} is not one of [32, 64, 128]"
+            )
         if self.kv_cache_memory_gb <= 0:
             raise ConfigError(f"EngineConfig.kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")

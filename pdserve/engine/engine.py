@@ -23,6 +23,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput, RequestStatus
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.scheduler import CoreOutput, Scheduler
+from pdserve.engine.spec_decode import SpeculativeConfig, make_proposer
 from pdserve.engine.tokenizer import IncrementalDetokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,6 +45,9 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     waiting_prompt_tokens: int  # prompt tokens of waiting requests not yet computed
+    spec_proposed: int = 0  # speculative decoding totals: tokens proposed, accepted, verification steps
+    spec_accepted: int = 0
+    spec_steps: int = 0
 
 
 @dataclass
@@ -66,7 +70,8 @@ class LLMEngine:
         dtype = _DTYPES[config.dtype]
         self.loaded = loaded or load_model(
             config.model, dtype=dtype, max_positions=config.max_model_len, seed=config.seed,
-            progress=config.load_progress,
+            progress=config.load_progress, quantization=config.quantization,
+            quantization_group_size=config.quantization_group_size,
         )
         self.model_config = cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -82,6 +87,9 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded.model, num_blocks, config.block_size, config.seed, config.attention_backend
         )
+        self.spec_config = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = (make_proposer(self.spec_config, self.runner, config, cfg.vocab_size)
+                         if self.spec_config else None)
         self._text: dict[str, _TextState] = {}
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0}
 
@@ -197,9 +205,15 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self.proposer.before_schedule(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
+        if self.proposer is not None:
+            self.proposer.after_schedule(sched)
+            for item in sched.scheduled:
+                item.shrink_spec(len(item.spec_token_ids))
         model_out = self.runner.execute(sched)
         return self._process(self.scheduler.update(sched, model_out))
 
@@ -245,6 +259,9 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            spec_proposed=request.spec_proposed,
+            spec_accepted=request.spec_accepted,
+            spec_steps=request.spec_steps,
         )
 
     # ---- state ---------------------------------------------------------------------------
@@ -268,4 +285,7 @@ class LLMEngine:
             prefix_cache_queries=self.scheduler.prefix_queries,
             prefix_cache_hits=self.scheduler.prefix_hits,
             waiting_prompt_tokens=waiting_prompt,
+            spec_proposed=self.scheduler.spec_totals[0],
+            spec_accepted=self.scheduler.spec_totals[1],
+            spec_steps=self.scheduler.spec_totals[2],
         )

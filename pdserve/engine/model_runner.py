@@ -18,6 +18,25 @@ from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.model import LlamaForCausalLM
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
+from pdserve.engine.spec_decode import rejection_sample
+
+
+class _RowView:
+    """A request as the sampler sees it at one verification row: the proposals before the row
+    count as its output so far."""
+
+    __slots__ = ("sampling_params", "eos_token_ids", "generator", "all_token_ids", "output_token_ids")
+
+    def __init__(self, request, proposals: list[int]):
+        self.sampling_params = request.sampling_params
+        self.eos_token_ids = request.eos_token_ids
+        self.generator = request.generator
+        self.all_token_ids = request.all_token_ids + proposals if proposals else request.all_token_ids
+        self.output_token_ids = request.output_token_ids + proposals if proposals else request.output_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device="cpu") -> torch.Tensor:
@@ -55,27 +74,70 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        # One-token requests first: the attention backend batches them together.
-        items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
-        input_ids, positions, meta, last_rows = self.prepare_inputs(items)
-        hook = self.layer_hook
-        layer_done = None if hook is None else (lambda layer: hook(layer, items))
-        hidden = self.model(input_ids, positions, self.layer_caches, meta, self.backend, layer_done)
-        sampling = [(item, row) for item, row in zip(items, last_rows) if item.sample]
+        items, hidden, sample_rows = self._forward(sched)
+        sampling = [(item, rows) for item, rows in zip(items, sample_rows) if item.sample]
         out = ModelOutput()
         if not sampling:
             return out
-        logits = self.model.compute_logits(hidden[[row for _, row in sampling]])
-        requests = [item.request for item, _ in sampling]
-        tokens, logprobs = self.sampler(logits, requests)
-        for request, token, lp in zip(requests, tokens, logprobs):
-            out.sampled_token_ids[request.request_id] = [token]
-            if lp is not None:
-                out.logprobs[request.request_id] = [lp]
+        logits = self.model.compute_logits(hidden[[row for _, rows in sampling for row in rows]])
+        # One sampler row per logits row; a request verifying proposals has k + 1 of them, each
+        # seeing the proposals before it as its output so far (penalties, min_tokens).
+        views = [_RowView(item.request, item.spec_token_ids[:i]) if item.num_spec else item.request
+                 for item, rows in sampling for i in range(len(rows))]
+        any_spec = any(item.num_spec for item, _ in sampling)
+        tokens, logprobs = self.sampler(logits.clone() if any_spec else logits, views)  # it works in place
+        r = 0
+        for item, rows in sampling:
+            request, n = item.request, len(rows)
+            if not item.num_spec:
+                out.sampled_token_ids[request.request_id] = [tokens[r]]
+                if logprobs[r] is not None:
+                    out.logprobs[request.request_id] = [logprobs[r]]
+            else:
+                emitted = self._verify(item, logits[r : r + n], views[r : r + n], tokens[r : r + n])
+                out.sampled_token_ids[request.request_id] = emitted
+                if request.sampling_params.logprobs is not None:
+                    out.logprobs[request.request_id] = [
+                        lp if lp is not None and lp.sampled.token_id == t else
+                        self.sampler.logprobs_of(logits[r + i], t, request.sampling_params.logprobs)
+                        for i, (t, lp) in enumerate(zip(emitted, logprobs[r : r + n]))]
+            r += n
         return out
 
+    def _verify(self, item: ScheduledRequest, logits: torch.Tensor, views, tokens: list[int]) -> list[int]:
+        """The accepted proposals and one token of the target's (see spec_decode)."""
+        proposals = item.spec_token_ids
+        if item.draft_probs is None or item.request.sampling_params.greedy:
+            # One-hot proposals: the target's own token at each row, kept while it equals the proposal.
+            emitted = []
+            for i, token in enumerate(tokens):
+                emitted.append(token)
+                if i == len(proposals) or token != proposals[i]:
+                    break
+            return emitted
+        probs = self.sampler.probabilities(logits, views)
+        generator = item.request.generator or self.sampler.generator
+        return rejection_sample(probs, proposals, item.draft_probs, generator)
+
+    @torch.inference_mode()
+    def logits(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Logits at each scheduled item's last row, in ``sched.scheduled`` order (no sampling)."""
+        items, hidden, sample_rows = self._forward(sched)
+        by_item = {id(item): rows[-1] for item, rows in zip(items, sample_rows)}
+        return self.model.compute_logits(hidden[[by_item[id(item)] for item in sched.scheduled]])
+
+    def _forward(self, sched: SchedulerOutput):
+        # One-token requests first: the attention backend batches them together.
+        items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
+        input_ids, positions, meta, sample_rows = self.prepare_inputs(items)
+        hook = self.layer_hook
+        layer_done = None if hook is None else (lambda layer: hook(layer, items))
+        hidden = self.model(input_ids, positions, self.layer_caches, meta, self.backend, layer_done)
+        return items, hidden, sample_rows
+
     def prepare_inputs(self, items: list[ScheduledRequest]):
-        """Flattened token ids, positions, attention metadata, and each item's last row."""
+        """Flattened token ids, positions, attention metadata, and each item's rows to sample
+        from (its last row; the last ``num_spec + 1`` when it verifies proposals)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -92,11 +154,14 @@ class ModelRunner:
         for item in items:
             start, n, table = item.start, item.num_tokens, item.block_ids
             row = len(ids)
-            ids.extend(item.request.all_token_ids[start : start + n])
+            known = item.request.all_token_ids
+            ids.extend(known[start : start + n])
+            if start + n > len(known):  # proposals after the known tokens
+                ids.extend(item.spec_token_ids[max(0, start - len(known)) : start + n - len(known)])
             span = range(start, start + n)
             pos.extend(span)
             slot_blocks.extend(table[p // bs] for p in span)
-            last_rows.append(row + n - 1)
+            last_rows.append(list(range(row + n - 1 - item.num_spec, row + n)))
             if n == 1:
                 ctx = start + 1
                 nblocks = cdiv(ctx, bs)

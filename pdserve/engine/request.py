@@ -59,6 +59,13 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.block_hashes: list[BlockHash] = []
+        # Speculative decoding: this step's proposals, the slots the scheduler is to reserve for
+        # them, and totals (proposed, accepted, verification steps).
+        self.spec_token_ids: list[int] = []
+        self.num_spec_slots = 0
+        self.spec_proposed = 0
+        self.spec_accepted = 0
+        self.spec_steps = 0
         room = (max_model_len - self.num_prompt_tokens) if max_model_len else None
         limits = [x for x in (sampling_params.max_tokens, room) if x is not None]
         self.max_output_tokens: int | None = min(limits) if limits else None
@@ -126,3 +133,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding totals so far: tokens proposed, of those accepted, verification steps.
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0

@@ -64,8 +64,18 @@ class Sampler:
                 if stops:
                     logits[i, stops] = float("-inf")
 
-    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
+    def probabilities(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The distribution each (non-greedy) request draws from: penalties, min_tokens,
+        temperature, top-k, top-p and min-p applied (not renormalised after min-p, as a draw
+        does not need it; speculative verification normalises)."""
+        logits = logits.float().clone()
+        self._apply_penalties(logits, requests)
+        self._apply_min_tokens(logits, requests)
+        probs = self._processed(logits, [r.sampling_params for r in requests])
+        return probs / probs.sum(-1, keepdim=True)
+
+    @staticmethod
+    def _processed(logits: torch.Tensor, params) -> torch.Tensor:
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
         logits = logits / temps[:, None]
         logits = _top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
@@ -73,6 +83,15 @@ class Sampler:
         min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
         if bool((min_p > 0).any()):
             probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+        return probs
+
+    @staticmethod
+    def logprobs_of(logits: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
+        """Raw logprobs of one row for a given token (and the top ``k``)."""
+        return _token_logprobs(torch.log_softmax(logits.float(), dim=-1), token_id, k)
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        probs = self._processed(logits, [r.sampling_params for r in requests])
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(requests) if r.generator is None]
         if unseeded:

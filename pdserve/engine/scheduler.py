@@ -27,6 +27,19 @@ class ScheduledRequest:
     num_tokens: int  # positions [start, start + num_tokens) are computed this step
     block_ids: list[int]  # the request's block table, covering at least start + num_tokens
     sample: bool  # the step reaches the request's last known token: sample the next one
+    # Speculative decoding: slots reserved for proposals after the last known token (num_tokens
+    # counts them), and the proposals themselves (filled by the proposer; at most num_spec).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_spec: int = 0
+    draft_probs: object = None  # [num_spec, vocab] draft distribution (None: proposals are one-hot)
+
+    def shrink_spec(self, num_spec: int) -> None:
+        """Give back reserved proposal slots the proposer did not fill."""
+        drop = self.num_spec - num_spec
+        if drop > 0:
+            self.num_spec -= drop
+            self.num_tokens -= drop
+            self.request.num_computed_tokens -= drop
 
 
 @dataclass
@@ -78,6 +91,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission
         self.prefix_hits = 0  # of those, tokens found
+        self.spec_totals = [0, 0, 0]  # speculative tokens proposed, accepted; verification steps
 
     # ---- admission -------------------------------------------------------------------
 
@@ -122,14 +136,25 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, out):
+            num_spec = self._spec_slots(request, num_new, budget)
+            if not self._allocate_or_preempt(request, num_new + num_spec, out):
                 break  # the request itself was preempted: nothing behind it is left
-            out.scheduled.append(self._take(request, num_new))
-            budget -= num_new
+            out.scheduled.append(self._take(request, num_new, num_spec))
+            budget -= num_new + num_spec
             i += 1
         if not out.preempted_ids:
             budget = self._admit_waiting(budget, out)
         return out
+
+    @staticmethod
+    def _spec_slots(request: Request, num_new: int, budget: int) -> int:
+        """Proposal slots for a decoding request, within the budget and its output limit."""
+        if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1 or not request.num_spec_slots:
+            return 0
+        k = min(request.num_spec_slots, budget - 1)
+        if request.max_output_tokens is not None:
+            k = min(k, request.max_output_tokens - request.num_output_tokens - 1)
+        return max(k, 0)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while self.kv.allocate_slots(request, num_new) is None:
@@ -162,19 +187,24 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _take(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _take(self, request: Request, num_new: int, num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
+        sample = request.num_computed_tokens == request.num_tokens
+        request.num_computed_tokens += num_spec
         return ScheduledRequest(
             request=request,
             start=start,
-            num_tokens=num_new,
+            num_tokens=num_new + num_spec,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=request.num_computed_tokens == request.num_tokens,
+            sample=sample,
+            spec_token_ids=request.spec_token_ids[:num_spec],
+            num_spec=num_spec,
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids, request.num_spec_slots = [], 0
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -188,13 +218,26 @@ class Scheduler:
             request = item.request
             if not item.sample or request.status.finished:
                 continue
+            sampled = model_out.sampled_token_ids[request.request_id]
+            if item.num_spec:  # roll back the KV of the rejected proposals
+                accepted = len(sampled) - 1
+                request.num_computed_tokens -= item.num_spec - accepted
+                request.spec_proposed += item.num_spec
+                request.spec_accepted += accepted
+                request.spec_steps += 1
+                self.spec_totals[0] += item.num_spec
+                self.spec_totals[1] += accepted
+                self.spec_totals[2] += 1
+            request.spec_token_ids, request.num_spec_slots = [], 0
             new_tokens = []
-            for token_id in model_out.sampled_token_ids[request.request_id]:
+            for token_id in sampled:
                 request.append_output_token(token_id)
                 new_tokens.append(token_id)
                 if self._check_stop(request):
                     break
             logprobs = model_out.logprobs.get(request.request_id)
+            if logprobs is not None:
+                logprobs = logprobs[: len(new_tokens)]
             if request.status.finished:
                 self._remove(request)
             outputs.append(CoreOutput(request, new_tokens, logprobs, request.status.finished))

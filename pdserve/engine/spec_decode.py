@@ -1,0 +1,249 @@
+"""Speculative decoding inside the engine's step loop.
+
+Each step, a decoding request may carry up to k proposed tokens. The scheduler reserves their
+slots; the target model computes the request's last known token and the k proposals in one
+forward pass (causal, through the paged cache, like a prompt chunk) and yields k + 1 rows of
+logits; verification keeps the longest run of proposals the target agrees with, plus one token
+of its own; the KV of the rejected proposals is rolled back (``num_computed_tokens`` moves back,
+so their slots are overwritten later).
+
+    step:  proposer.before_schedule(running)      ngram: the proposals, now (cheap)
+           scheduler.schedule()                    reserves 1 + k slots per decoding request
+           proposer.after_schedule(sched)          draft model: the proposals, in those slots
+           runner.execute(sched)                   k + 1 rows of logits, verified
+           scheduler.update(...)                   accepted tokens appended, rejected KV rolled back
+
+Verification is exact. Greedy: the target's argmax at each row, accepted while it equals the
+proposal. Sampling: modified rejection sampling (Leviathan et al., Chen et al. 2023): proposal
+``d`` drawn from ``q`` is kept with probability ``min(1, p(d) / q(d))``; on rejection a token is
+drawn from ``norm(max(0, p - q))``; after k acceptances a bonus token from ``p``. Proposals that
+are deterministic (n-gram lookup, a greedy draft) are ``q`` one-hot, where this is "draw from
+``p``, keep the proposal if the draw equals it". Either way the output distribution is the
+target's.
+
+Methods: ``ngram`` (prompt lookup: the continuation of the longest n-gram match of the
+request's own last tokens, most recent match first) and ``draft`` (a smaller model with the
+same vocabulary; its KV lives in its own cache tensor, addressed by the target's block table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from pdserve.configs import ConfigError, doc
+from pdserve.engine.request import Request
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: Literal["ngram", "draft"] = doc("ngram", "ngram (prompt lookup) or draft (a smaller model)")
+    num_speculative_tokens: int = doc(4, "tokens proposed per step (k)")
+    prompt_lookup_max: int = doc(4, "ngram: longest n-gram matched")
+    prompt_lookup_min: int = doc(2, "ngram: shortest n-gram matched")
+    model: str | None = doc(None, "draft: the draft model (any spec the engine loads; same vocabulary)")
+    draft_num_layers: int | None = doc(None, "draft: keep only the first N layers of the draft model")
+
+    def __post_init__(self) -> None:
+        owner = "speculative_config"
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"{owner}.num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"{owner}: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "draft" and not self.model:
+            raise ConfigError(f"{owner}.model: the draft method needs a draft model")
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ConfigError(f"{owner}.draft_num_layers must be positive, got {self.draft_num_layers}")
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
+        """From the ``--speculative-config`` JSON text or a YAML mapping; None when unset."""
+        if value is None or value == "" or value == {}:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config: not valid JSON ({e.msg} at column {e.colno}): {value!r}") from e
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config: expected a JSON object, got {type(value).__name__}")
+        from pdserve.configs import from_dict
+
+        return from_dict(cls, value, "speculative_config")
+
+
+# ---- proposers ----------------------------------------------------------------------------
+
+
+def ngram_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The up to ``k`` tokens that followed the most recent earlier occurrence of the longest
+    suffix n-gram (``n_max`` down to ``n_min``) of ``tokens``; [] when none recurs."""
+    size = len(tokens)
+    if size <= n_min:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix = arr[size - n :]
+        # Windows starting at 0 .. size - n - 1 (the suffix itself excluded).
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: size - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start : start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def before_schedule(self, running: list[Request]) -> None:
+        c = self.config
+        for request in running:
+            if request.num_tokens - request.num_computed_tokens != 1:
+                request.spec_token_ids = []
+                continue
+            request.spec_token_ids = ngram_propose(request.all_token_ids, c.num_speculative_tokens,
+                                                   c.prompt_lookup_min, c.prompt_lookup_max)
+            request.num_spec_slots = len(request.spec_token_ids)
+
+    def after_schedule(self, sched) -> None:
+        for item in sched.scheduled:
+            if item.num_spec:
+                item.spec_token_ids = item.request.spec_token_ids[: item.num_spec]
+
+
+class DraftProposer:
+    """A smaller model proposes autoregressively. Its KV cache has the target's block layout and
+    is addressed by the target's block tables (the scheduler reserved the slots), so it needs no
+    block management of its own; it catches up over a request's tokens from position 0 (prefix
+    hits and remote KV hold only the target's KV)."""
+
+    def __init__(self, config: SpeculativeConfig, target_runner, engine_config, vocab_size: int):
+        from pdserve.engine.loader import load_model
+        from pdserve.engine.model_runner import ModelRunner
+
+        self.config = config
+        loaded = load_model(config.model, dtype=target_runner.dtype, max_positions=engine_config.max_model_len,
+                            seed=engine_config.seed + 1, progress=engine_config.load_progress)
+        if loaded.config.vocab_size != vocab_size:
+            raise ConfigError(f"speculative_config.model: the draft's vocabulary has {loaded.config.vocab_size} "
+                              f"tokens, the target's {vocab_size}")
+        model = loaded.model
+        if config.draft_num_layers is not None and config.draft_num_layers < model.config.num_layers:
+            model.layers = model.layers[: config.draft_num_layers]
+            model.config = dataclasses.replace(model.config, num_layers=config.draft_num_layers)
+        self.runner = ModelRunner(model, target_runner.kv_cache.shape[2], target_runner.block_size,
+                                  engine_config.seed, engine_config.attention_backend)
+        self._computed: dict[str, tuple[int, int]] = {}  # request id -> (draft KV positions, preemptions then)
+        self.generator = torch.Generator().manual_seed(engine_config.seed + 7)
+
+    def before_schedule(self, running: list[Request]) -> None:
+        live = set()
+        for request in running:
+            live.add(request.request_id)
+            request.spec_token_ids = []
+            decoding = request.num_tokens - request.num_computed_tokens == 1
+            request.num_spec_slots = self.config.num_speculative_tokens if decoding else 0
+        for request_id in [r for r in self._computed if r not in live]:
+            del self._computed[request_id]
+
+    @torch.inference_mode()
+    def after_schedule(self, sched) -> None:
+        from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+        items = [item for item in sched.scheduled if item.num_spec]
+        if not items:
+            return
+        # Catch up: every position before the request's last known token, in one pass.
+        drafts: dict[str, list[int]] = {}
+        probs: dict[str, list[torch.Tensor]] = {}
+        catch_up = SchedulerOutput()
+        for item in items:
+            request = item.request
+            done, preemptions = self._computed.get(request.request_id, (0, request.num_preemptions))
+            if preemptions != request.num_preemptions:
+                done = 0
+            target = request.num_tokens  # positions [done, target) computed, the last one sampled from
+            catch_up.scheduled.append(ScheduledRequest(request, done, target - done, item.block_ids, True))
+            self._computed[request.request_id] = (target - 1, request.num_preemptions)
+            drafts[request.request_id], probs[request.request_id] = [], []
+        steps = max(item.num_spec for item in items)
+        current = catch_up
+        for _ in range(steps):
+            logits = self.runner.logits(current)
+            nxt = SchedulerOutput()
+            for row, s in enumerate(current.scheduled):
+                request = s.request
+                token, q = self._propose_one(logits[row], request)
+                drafts[request.request_id].append(token)
+                probs[request.request_id].append(q)
+                item = next(i for i in items if i.request is request)
+                if len(drafts[request.request_id]) < item.num_spec:
+                    position = request.num_tokens + len(drafts[request.request_id]) - 1
+                    nxt.scheduled.append(ScheduledRequest(request, position, 1, item.block_ids, True,
+                                                          spec_token_ids=drafts[request.request_id][:]))
+            if not nxt.scheduled:
+                break
+            current = nxt
+        for item in items:
+            item.spec_token_ids = drafts[item.request.request_id][: item.num_spec]
+            q = probs[item.request.request_id][: item.num_spec]
+            item.draft_probs = None if any(x is None for x in q) else torch.stack(q)
+
+    def _propose_one(self, logits: torch.Tensor, request: Request) -> tuple[int, torch.Tensor | None]:
+        """Greedy requests get the draft's argmax (q one-hot, returned as None); sampled ones a
+        draw from the draft's own distribution under the request's temperature, top-k and top-p."""
+        params = request.sampling_params
+        if params.greedy:
+            return int(logits.argmax()), None
+        from pdserve.engine.sampler import _top_k_top_p
+
+        scaled = _top_k_top_p((logits.float() / params.temperature)[None], [params.top_k], [params.top_p])[0]
+        q = torch.softmax(scaled, dim=-1)
+        if not torch.isfinite(q).all():
+            return int(logits.argmax()), None
+        return int(torch.multinomial(q, 1, generator=self.generator)), q
+
+
+def make_proposer(config: SpeculativeConfig, runner, engine_config, vocab_size: int):
+    if config.method == "ngram":
+        return NgramProposer(config)
+    return DraftProposer(config, runner, engine_config, vocab_size)
+
+
+# ---- verification -------------------------------------------------------------------------
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_tokens: list[int], draft_probs: torch.Tensor | None,
+                     generator: torch.Generator | None) -> list[int]:
+    """Modified rejection sampling for one request: ``target_probs`` ``[k + 1, V]`` (the target's
+    processed distribution at each row), ``draft_tokens`` (k), ``draft_probs`` ``[k, V]`` (None:
+    one-hot on the proposals). Returns the accepted proposals and one more token."""
+    k = len(draft_tokens)
+    out: list[int] = []
+    for i in range(k):
+        d = draft_tokens[i]
+        p = target_probs[i]
+        q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
+        u = float(torch.rand((), generator=generator))
+        if q_d > 0 and u < min(1.0, float(p[d]) / q_d):
+            out.append(d)
+            continue
+        residual = p.clone()
+        if draft_probs is None:
+            residual[d] = 0.0
+        else:
+            residual = (p - draft_probs[i]).clamp_(min=0.0)
+        if float(residual.sum()) <= 0:  # p == q: any token of p would do
+            residual = p
+        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(target_probs[k], 1, generator=generator)))
+    return out
