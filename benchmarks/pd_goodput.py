@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -83,10 +84,12 @@ def sweep(name: str, roles: list[str], rates: list[float], slo: SLO, args) -> li
     workers, router, url = start(roles)
     rows = []
     try:
-        for rate in rates:
+        for i, rate in enumerate(rates):
+            # A fresh seed per rate (the same for both setups): prompts repeated across rates would
+            # be prefix-cache hits, not prefills.
             config = BenchConfig(base_url=url, progress=False, dataset_name="random", random_input_len=1280,
                                  random_output_len=160, random_range_ratio=0.6, num_prompts=args.num_prompts,
-                                 request_rate=rate, seed=args.seed, warmup_requests=1)
+                                 request_rate=rate, seed=args.seed + 1000 * (i + 1), warmup_requests=1)
             t = time.perf_counter()
             run = asyncio.run(run_bench(config, slo)).runs[0]
             s = run["summary"]
@@ -101,6 +104,8 @@ def sweep(name: str, roles: list[str], rates: list[float], slo: SLO, args) -> li
 
 
 def main() -> None:
+    # SIGTERM unwinds like Ctrl-C, so the workers and routers this script started are stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="0.05,0.1,0.15,0.2,0.3", help="request rates (default: 0.05,0.1,0.15,0.2,0.3)")
     p.add_argument("--num-prompts", type=int, default=12, help="requests per rate (default: 12)")

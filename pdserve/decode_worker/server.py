@@ -69,7 +69,8 @@ class WorkerConfig:
 
 def engine_layout(engine: LLMEngine) -> KVLayout:
     cfg = engine.model_config
-    return KVLayout(engine.loaded.fingerprint, engine.config.dtype, engine.block_size, cfg.num_layers,
+    kv_dtype = engine.config.dtype if engine.config.kv_cache_dtype == "auto" else engine.config.kv_cache_dtype
+    return KVLayout(engine.loaded.fingerprint, kv_dtype, engine.block_size, cfg.num_layers,
                     cfg.num_kv_heads, cfg.head_dim)
 
 
@@ -278,7 +279,8 @@ def _host_torch_rendezvous(servicer: WorkerServicer, host: str, engine: LLMEngin
     servicer.store = host_store(host, port)  # kept alive with the servicer
     address = f"{host}:{port}"
     cache = engine.runner.kv_cache
-    servicer.torch_receiving = TorchReceiving(address, servicer.layout, cache.dtype, cache.device)
+    servicer.torch_receiving = TorchReceiving(address, servicer.layout, cache.dtype, cache.device,
+                                              per_block=cache[0, 0, 0].numel())
     servicer.backend_info = {"store": address}
 
 

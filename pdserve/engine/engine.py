@@ -79,13 +79,16 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.block_size = config.block_size
         block_bytes = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size
+        if config.kv_cache_dtype != "auto":  # one byte per element, plus a float32 scale per token and head
+            block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * config.block_size * (cfg.head_dim + 4)
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // block_bytes)
         if num_blocks < 1:
             raise InvalidRequestError("kv_cache_memory_gb", f"{config.kv_cache_memory_gb} GiB holds no block")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(
-            self.loaded.model, num_blocks, config.block_size, config.seed, config.attention_backend
+            self.loaded.model, num_blocks, config.block_size, config.seed, config.attention_backend,
+            config.kv_cache_dtype,
         )
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = (make_proposer(self.spec_config, self.runner, config, cfg.vocab_size)

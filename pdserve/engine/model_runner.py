@@ -14,6 +14,7 @@ import torch
 
 from pdserve.engine.attention import AttentionMetadata, PrefillChunk, get_backend
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.model import LlamaForCausalLM
 from pdserve.engine.sampler import Sampler
@@ -54,22 +55,40 @@ class ModelRunner:
         block_size: int,
         seed: int = 0,
         attention_backend: str = "auto",
+        kv_cache_dtype: str = "auto",
     ):
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, self.dtype, self.device)
         nb, kvh, hd = num_blocks, cfg.num_kv_heads, cfg.head_dim
-        self.layer_caches = [
-            (self.kv_cache[i, 0].view(nb, kvh, hd, block_size), self.kv_cache[i, 1].view(nb, kvh, block_size, hd))
-            for i in range(cfg.num_layers)
-        ]
+        self.kv_cache_dtype = kv_cache_dtype
+        if kv_cache_dtype == "auto":
+            self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, self.dtype, self.device)
+            self.layer_caches = [
+                (self.kv_cache[i, 0].view(nb, kvh, hd, block_size), self.kv_cache[i, 1].view(nb, kvh, block_size, hd))
+                for i in range(cfg.num_layers)
+            ]
+        else:  # quantized: bytes, each block's scales inside it (see kv_quant.py)
+            from pdserve.engine import kv_quant
+
+            self.kv_cache = kv_quant.allocate_quantized_cache(cfg.num_layers, nb, kvh, block_size, hd, self.device)
+            qdtype = kv_quant.KV_CACHE_DTYPES[kv_cache_dtype]
+            self.layer_caches = [kv_quant.layer_views(self.kv_cache, i, qdtype, block_size, hd)
+                                 for i in range(cfg.num_layers)]
         # Called after each layer with (layer index, the step's items); see LlamaForCausalLM.forward.
         self.layer_hook: Callable[[int, list[ScheduledRequest]], None] | None = None
-        self.backend = get_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   self.device.type)
+        if kv_cache_dtype != "auto":
+            from pdserve.engine.kv_quant import QuantizedKVAttention
+
+            self.backend = QuantizedKVAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        else:
+            self.backend = get_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                       self.device.type)
+        # On CUDA, steps run through cuda_graphs: inputs moved to the GPU, decode steps replayed as graphs.
+        self.cuda_graphs = CudaGraphRunner(model, self.layer_caches, self.backend, block_size) \
+            if self.device.type == "cuda" else None
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()
@@ -132,7 +151,10 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare_inputs(items)
         hook = self.layer_hook
         layer_done = None if hook is None else (lambda layer: hook(layer, items))
-        hidden = self.model(input_ids, positions, self.layer_caches, meta, self.backend, layer_done)
+        if self.cuda_graphs is not None:
+            hidden = self.cuda_graphs.forward(input_ids, positions, meta, layer_done)
+        else:
+            hidden = self.model(input_ids, positions, self.layer_caches, meta, self.backend, layer_done)
         return items, hidden, sample_rows
 
     def prepare_inputs(self, items: list[ScheduledRequest]):

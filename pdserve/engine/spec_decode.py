@@ -172,7 +172,7 @@ class DraftProposer:
                 done = 0
             target = request.num_tokens  # positions [done, target) computed, the last one sampled from
             catch_up.scheduled.append(ScheduledRequest(request, done, target - done, item.block_ids, True))
-            self._computed[request.request_id] = (target - 1, request.num_preemptions)
+            self._computed[request.request_id] = (target, request.num_preemptions)
             drafts[request.request_id], probs[request.request_id] = [], []
         steps = max(item.num_spec for item in items)
         current = catch_up

@@ -90,7 +90,7 @@ class KVReceiver:
         incoming = self.get(handle)
         if incoming.state is not TransferState.TRANSFERRING:
             raise TransferError("state", f"transfer {handle} is {incoming.state.value}, not transferring")
-        per_block = self.layout.num_kv_heads * self.layout.block_size * self.layout.head_dim
+        per_block = self.kv_cache[0, 0, 0].numel()  # a block's elements (a quantized block's scales included)
         if isinstance(keys, torch.Tensor):
             k_src, v_src = keys.reshape(-1, per_block), values.reshape(-1, per_block)
         else:

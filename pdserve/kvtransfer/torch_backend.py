@@ -156,17 +156,19 @@ class TorchReceiving:
     """The decode worker's side: receive a chunk's tensor when its metadata arrives."""
 
     def __init__(self, store_address: str, layout: KVLayout, dtype: torch.dtype, device: torch.device,
-                 groups: PairGroups | None = None):
+                 groups: PairGroups | None = None, per_block: int | None = None):
         self.store_address = store_address
         self.layout = layout
         self.dtype = dtype
         self.device = device
         self.groups = groups or PairGroups()
         self.pool = ThreadPoolExecutor(8, thread_name_prefix="kv-torch-recv")
+        # Elements of one block of one layer's keys (or values) in the cache.
+        self.per_block = per_block or layout.num_kv_heads * layout.block_size * layout.head_dim
 
     def receive(self, chunk: pb.KVChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocking (run it in ``pool``): the chunk's keys and values, checksum verified."""
-        per_block = self.layout.num_kv_heads * self.layout.block_size * self.layout.head_dim
+        per_block = self.per_block
         buf = torch.empty(2 * chunk.num_blocks * per_block, dtype=self.dtype, device=self.device)
         try:
             group = self.groups.get(self.store_address, chunk.peer, 1, self.device)

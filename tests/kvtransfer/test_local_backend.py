@@ -19,9 +19,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def layout_of(engine) -> KVLayout:
-    cfg = engine.model_config
-    return KVLayout(engine.loaded.fingerprint, engine.config.dtype, engine.block_size, cfg.num_layers,
-                    cfg.num_kv_heads, cfg.head_dim)
+    from pdserve.decode_worker.server import engine_layout
+
+    return engine_layout(engine)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -114,4 +114,28 @@ def test_receiver_catches_bad_chunks(make_engine):
     with pytest.raises(TransferError, match="incomplete"):
         receiver.commit("x")
     assert receiver.get("x").state is TransferState.FAILED
+    decode.abort_request("x")
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_kv_cache_travels_as_is(make_engine, kv_dtype):
+    """Quantized blocks (their scales inside) cross unchanged: the same tokens as a colocated
+    engine with the same cache, at (head_dim + 4) / (4 * head_dim) of a float32 cache's bytes."""
+    ps = prompts(8, seed=2)
+    expected = colocated(make_engine(kv_cache_dtype=kv_dtype), ps)
+    decode = make_engine(kv_cache_dtype=kv_dtype)
+    assert layout_of(decode).dtype == kv_dtype
+    assert disaggregated(make_engine(kv_cache_dtype=kv_dtype), decode, ps) == expected
+    hd = decode.model_config.head_dim
+    float_row = make_engine().runner.kv_cache[0, 0, 0].numel() * 4
+    assert decode.runner.kv_cache[0, 0, 0].numel() / float_row == (hd + 4) / (4 * hd)
+
+
+def test_float_and_quantized_workers_refuse_each_other(make_engine):
+    decode = make_engine(kv_cache_dtype="int8")
+    receiver = KVReceiver(decode.runner.kv_cache, layout_of(decode))
+    request = decode.make_request("x", list(range(100, 140)), GREEDY)
+    receiver.expect("x", decode.reserve_remote_request(request), 0, 5.0)
+    with pytest.raises(TransferError, match="dtype: sender 'float32', receiver 'int8'"):
+        receiver.begin("x", layout_of(make_engine()))
     decode.abort_request("x")
