@@ -95,7 +95,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=160, help="output tokens per request (default: %(default)s)")
     p.add_argument("--k", type=int, default=6, help="tokens proposed per step (default: %(default)s)")
     p.add_argument("--draft-layers", type=int, default=8,
-                   help="layers kept in the draft model, cut from the target (default: %(default)s)")
+                   help="layers kept in the draft model, cut from the target; 0 keeps them all (the target as its "
+                        "own draft: every proposal should be accepted) (default: %(default)s)")
     p.add_argument("--no-draft", action="store_true", help="skip the draft-model method")
     p.add_argument("--batch", type=int, default=8, help="the batched run's request count (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
@@ -112,8 +113,9 @@ def main() -> None:
     loaded = load_model(progress=True)
     methods = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": args.k}}
     if not args.no_draft:
-        methods["draft"] = {"method": "draft", "model": "smollm2-135m-instruct", "num_speculative_tokens": args.k,
-                            "draft_num_layers": args.draft_layers}
+        methods["draft"] = {"method": "draft", "model": "smollm2-135m-instruct", "num_speculative_tokens": args.k}
+        if args.draft_layers:
+            methods["draft"]["draft_num_layers"] = args.draft_layers
     engines = {name: LLMEngine(EngineConfig(load_progress=False, speculative_config=spec, num_threads=args.threads),
                                loaded=loaded) for name, spec in methods.items()}
     tok = loaded.tokenizer
