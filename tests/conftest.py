@@ -10,6 +10,11 @@ import torch
 # Keep test runs steady on a shared 2-core machine.
 torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "2")))
 
+# Without a GPU, Triton kernels run in its CPU interpreter, which must be chosen before any
+# kernel module is imported (tests/engine/test_triton_kernels.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

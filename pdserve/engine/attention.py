@@ -193,6 +193,7 @@ def _gather_keys(k_cache: torch.Tensor, block_ids: torch.Tensor, length: int) ->
 _BACKENDS: dict[str, str] = {
     "torch": "pdserve.engine.attention:TorchPagedAttention",
     "cpu": "pdserve.engine.attention:CpuPagedAttention",
+    "triton": "pdserve.engine.triton_attention:TritonPagedAttention",  # GPUs (or Triton's interpreter)
 }
 
 
@@ -204,7 +205,7 @@ def get_backend(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: str = "cpu"
 ) -> AttentionBackend:
     if name == "auto":
-        name = "cpu" if device == "cpu" else "torch"
+        name = {"cpu": "cpu", "cuda": "triton"}.get(device, "torch")
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
     module, _, attr = _BACKENDS[name].partition(":")

@@ -165,7 +165,7 @@ class EngineConfig:
     num_threads: int | None = doc(None, "torch intra-op threads (default: torch's choice, one per core)")
     attention_backend: str = doc(
         "auto", "attention implementation: torch (torch ops only), cpu (torch plus a C decode kernel built "
-        "on first use), auto (cpu on CPUs)"
+        "on first use), triton (Triton kernels, CUDA GPUs), auto (cpu on CPUs, triton on CUDA)"
     )
     load_progress: bool = doc(True, "show a progress bar while the model loads")
     speculative_config: str | dict | None = doc(
