@@ -14,6 +14,7 @@ from pdserve.configs import ConfigError
 from pdserve.engine.config import DEFAULT_MODEL, ModelConfig, RopeScaling
 from pdserve.engine.gguf_file import GGUFFile
 from pdserve.engine.model import LlamaForCausalLM
+from pdserve.engine.quant import check_quantization, quantize_model
 from pdserve.engine.sources import ModelSource, resolve_model
 from pdserve.engine.tokenizer import ModelTokenizer, load_tokenizer
 
@@ -35,9 +36,12 @@ def load_model(
     max_positions: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    quantization: str = "none",
+    quantization_group_size: int = 64,
 ) -> LoadedModel:
     start = time.perf_counter()
     source = resolve_model(spec)
+    check_quantization(quantization, source.kind, device)
     if source.kind == "gguf":
         cfg, weights, tokenizer = _read_gguf(source.path, progress)
     elif source.kind == "hf":
@@ -46,10 +50,13 @@ def load_model(
         cfg, weights = source.shape, None
         tokenizer = _default_tokenizer()
     model = build_model(cfg, weights, dtype, device, max_positions, seed)
-    return LoadedModel(model, tokenizer, cfg, source, time.perf_counter() - start, _fingerprint(source, cfg, seed))
+    del weights  # the float copies go before the quantized ones are built
+    quantize_model(model, quantization, quantization_group_size, source.path, tokenizer)
+    fingerprint = _fingerprint(source, cfg, seed, f"{quantization}/{quantization_group_size}")
+    return LoadedModel(model, tokenizer, cfg, source, time.perf_counter() - start, fingerprint)
 
 
-def _fingerprint(source: ModelSource, cfg: ModelConfig, seed: int) -> str:
+def _fingerprint(source: ModelSource, cfg: ModelConfig, seed: int, quantization: str = "none/64") -> str:
     import hashlib
 
     origin = source.name
@@ -58,6 +65,8 @@ def _fingerprint(source: ModelSource, cfg: ModelConfig, seed: int) -> str:
         origin += ":" + ",".join(f"{f.name}={f.stat().st_size}" for f in files)
     elif source.kind == "random":
         origin += f":seed={seed}"
+    if not quantization.startswith("none/"):  # quantized weights give other KV: workers must not mix them
+        origin += f"|quantization={quantization}"
     return hashlib.sha256(f"{cfg.fingerprint()}|{origin}".encode()).hexdigest()[:16]
 
 

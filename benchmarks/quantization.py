@@ -1,0 +1,209 @@
+"""Weight quantization on the default model: memory, decode speed, perplexity, agreement with float.
+
+    python benchmarks/quantization.py                       # float, int8, int4, awq, gguf (~5-8 min on 2 cores)
+    python benchmarks/quantization.py --formats float,int8  # a subset
+
+Each format runs in its own process (``EngineConfig.quantization``; "float" is ``none``, the
+GGUF's Q4_1 blocks dequantised at load) and measures:
+
+- weight memory: bytes of every parameter and buffer (a tied tensor once);
+- decode tokens/s at batch 1 and batch 16: requests with --prompt-len-token prompts, greedy,
+  ignore_eos; time from the step after every prompt is prefilled to the last token;
+- perplexity of benchmarks/data/public_domain.txt (see benchmarks/data/README.md), in
+  --ppl-window-token windows, up to --ppl-tokens tokens, through a plain causal forward;
+- greedy agreement with float: --agree-tokens greedy tokens for each of the chat prompts below,
+  the fraction of positions where the token equals float's, and how many outputs are identical.
+
+Prints a markdown table, writes JSON and a PNG plot to --result-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TEXT = Path(__file__).parent / "data" / "public_domain.txt"
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+    "Why is the sky blue?",
+    "Give me a tip for learning to code.",
+    "What does a CPU do?",
+    "Describe a cat in five words.",
+]
+QUANTIZATION = {"float": "none", "int8": "int8", "int4": "int4", "awq": "awq", "gguf": "gguf"}
+
+
+# ---- one format, in a child process -------------------------------------------------------
+
+
+def decode_tps(engine, batch: int, args) -> float:
+    from pdserve.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", [100 + (7 * i + j) % 40000 for j in range(args.prompt_len)], params)
+    counts, start = {}, None
+    while engine.has_unfinished():
+        for o in engine.step():
+            counts[o.request_id] = counts.get(o.request_id, 0) + len(o.new_token_ids)
+        if start is None and len(counts) == batch:  # every prompt prefilled: decode steps from here
+            start, first = time.perf_counter(), sum(counts.values())
+    return (sum(counts.values()) - first) / (time.perf_counter() - start)
+
+
+def perplexity(loaded, args) -> tuple[float, int]:
+    import torch
+
+    from pdserve.engine.quant.awq import full_forward
+
+    ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)[: args.ppl_tokens]
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, args.ppl_window):
+        window = torch.tensor(ids[start : start + args.ppl_window + 1])
+        logits = full_forward(loaded.model, window[:-1])
+        nll += float(torch.nn.functional.cross_entropy(logits.float(), window[1:], reduction="sum"))
+        count += len(window) - 1
+    return math.exp(nll / count), count
+
+
+def greedy_outputs(engine, args) -> list[list[int]]:
+    from pdserve.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.agree_tokens, ignore_eos=True)
+    for i, q in enumerate(PROMPTS):
+        engine.add_request(f"g{i}", engine.tokenizer.encode_chat([{"role": "user", "content": q}]), params)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [tokens[f"g{i}"] for i in range(len(PROMPTS))]
+
+
+def run_format(fmt: str, args) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from pdserve.engine import EngineConfig, LLMEngine
+    from pdserve.engine.quant import weight_bytes
+
+    bar = tqdm(total=5, desc=f"{fmt}: load", file=sys.stderr, leave=False)
+    t = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=args.model, quantization=QUANTIZATION[fmt], load_progress=False,
+                                    quantization_group_size=args.group_size, num_kv_blocks=512))
+    result = {"format": fmt, "load_s": time.perf_counter() - t, "weight_mib": weight_bytes(engine.loaded.model) / 2**20,
+              "threads": torch.get_num_threads()}
+    for batch in (1, 16):
+        bar.update()
+        bar.set_description(f"{fmt}: decode batch {batch}")
+        result[f"decode_b{batch}_tok_s"] = decode_tps(engine, batch, args)
+    bar.update()
+    bar.set_description(f"{fmt}: perplexity")
+    result["perplexity"], result["ppl_tokens"] = perplexity(engine.loaded, args)
+    bar.update()
+    bar.set_description(f"{fmt}: greedy outputs")
+    result["greedy"] = greedy_outputs(engine, args)
+    bar.update()
+    bar.close()
+    return result
+
+
+def child(fmt: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--child", fmt, *sys.argv[1:]]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if proc.returncode:
+        raise SystemExit(f"{fmt} run failed with status {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, int]:
+    same = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g))
+    return same / sum(len(r) for r in ref), sum(r == g for r, g in zip(ref, got))
+
+
+def report(results: list[dict], args) -> list[dict]:
+    ref = next((r for r in results if r["format"] == "float"), results[0])
+    rows = []
+    for r in results:
+        match, identical = agreement(ref["greedy"], r["greedy"])
+        rows.append({k: v for k, v in r.items() if k != "greedy"} | {
+            "greedy_match": match, "identical_outputs": f"{identical}/{len(PROMPTS)}",
+            "b1_vs_ref": r["decode_b1_tok_s"] / ref["decode_b1_tok_s"],
+            "b16_vs_ref": r["decode_b16_tok_s"] / ref["decode_b16_tok_s"],
+        })
+    print(f"\nmodel {args.model}, {ref['threads']} threads; decode: {args.prompt_len}-token prompts, "
+          f"{args.decode_tokens} new tokens; perplexity over {ref['ppl_tokens']} tokens of {TEXT.name}; "
+          f"agreement: {len(PROMPTS)} chat prompts x {args.agree_tokens} greedy tokens vs {ref['format']}\n")
+    cols = [("format", "{}"), ("weight_mib", "{:.1f}"), ("load_s", "{:.1f}"), ("decode_b1_tok_s", "{:.1f}"),
+            ("b1_vs_ref", "{:.2f}x"), ("decode_b16_tok_s", "{:.1f}"), ("b16_vs_ref", "{:.2f}x"),
+            ("perplexity", "{:.3f}"), ("greedy_match", "{:.1%}"), ("identical_outputs", "{}")]
+    print("| " + " | ".join(c for c, _ in cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f.format(r[c]) for c, f in cols) + " |")
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [("weight_mib", "weight memory (MiB)"), ("decode_b1_tok_s", "decode tokens/s, batch 1"),
+               ("decode_b16_tok_s", "decode tokens/s, batch 16"), ("perplexity", "perplexity"),
+               ("greedy_match", "greedy tokens equal to float")]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.4 * len(metrics), 3.3))
+    for ax, (key, title) in zip(axes, metrics):
+        ax.bar([r["format"] for r in rows], [r[key] for r in rows], color="tab:blue")
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (default: smollm2-135m-instruct)")
+    p.add_argument("--formats", default="float,int8,int4,awq,gguf",
+                   help="comma-separated formats among float,int8,int4,awq,gguf; float first if you want the "
+                        "ratios and agreement against it (default: all)")
+    p.add_argument("--group-size", type=int, default=64, help="int4/awq group size: 32, 64 or 128 (default: 64)")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of each decode request (default: 32)")
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode request (default: 32)")
+    p.add_argument("--ppl-tokens", type=int, default=2048, help="tokens of the text scored (default: 2048)")
+    p.add_argument("--ppl-window", type=int, default=512, help="context window of the perplexity pass (default: 512)")
+    p.add_argument("--agree-tokens", type=int, default=24, help="greedy tokens per prompt compared (default: 24)")
+    p.add_argument("--result-dir", default="bench-results", help="where JSON and PNG go (default: bench-results)")
+    p.add_argument("--child", choices=list(QUANTIZATION), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(run_format(args.child, args)))
+        return
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = sorted(set(formats) - set(QUANTIZATION))
+    if unknown:
+        p.error(f"--formats: unknown {unknown}; choose among {list(QUANTIZATION)}")
+    t = time.time()
+    results = [child(fmt, args) for fmt in formats]
+    rows = report(results, args)
+    out = Path(args.result_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quantization.json").write_text(json.dumps({"args": vars(args), "rows": rows, "raw": results}, indent=2))
+    plot(rows, out / "quantization.png")
+    print(f"\nwrote {out / 'quantization.json'} and {out / 'quantization.png'} ({time.time() - t:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Weight-only quantization, chosen by ``EngineConfig.quantization`` (vLLM's ``--quantization``).
+
+``quantize_model`` swaps each decoder layer's projections (qkv, o, gate_up, down) for a
+quantized drop-in of ``model.Linear`` after the float model is loaded. The embedding and the
+output head stay float (tied in the default model: quantising the head would keep two copies).
+
+| method | what | module |
+|---|---|---|
+| ``int8`` | per-output-channel symmetric int8 | ``formats.Int8Linear`` |
+| ``int4`` | 4-bit, one scale and zero per ``quantization_group_size`` inputs | ``formats.Int4Linear`` |
+| ``awq`` | int4 after AWQ's activation-aware input scaling, calibrated at load | ``awq`` + ``Int4Linear`` |
+| ``fp8`` | float8 e4m3 weights and activations (CUDA GPUs with FP8 only) | ``formats.Fp8Linear`` |
+| ``gguf`` | a GGUF file's own quantized blocks, dequantised per matmul | ``gguf_native.GGUFLinear`` |
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from pdserve.configs import ConfigError
+from pdserve.engine.quant.formats import (
+    Fp8Linear,
+    Int4Linear,
+    Int8Linear,
+    QuantLinear,
+    fp8_supported,
+    int4_group_size,
+)
+
+log = logging.getLogger(__name__)
+
+METHODS = ("none", "int8", "int4", "awq", "fp8", "gguf")
+LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+__all__ = ["METHODS", "QuantLinear", "check_quantization", "quantize_model", "weight_bytes"]
+
+
+def check_quantization(method: str, source_kind: str, device: torch.device | str) -> None:
+    """Refuse, before loading, what this model and device cannot do."""
+    device = torch.device(device)
+    if method not in METHODS:
+        raise ConfigError(f"EngineConfig.quantization: {method!r} is not one of {list(METHODS)}")
+    if method == "fp8" and not fp8_supported(device):
+        raise ConfigError(
+            "EngineConfig.quantization: fp8 needs a CUDA GPU with FP8 support (compute capability 8.9+: "
+            f"Ada, Hopper or newer); this engine runs on {device.type}. On CPUs use int8, int4 or awq"
+        )
+    if method == "gguf" and source_kind != "gguf":
+        raise ConfigError(
+            f"EngineConfig.quantization: gguf keeps a GGUF file's quantized blocks, but this model is a "
+            f"{source_kind!r} model, not a .gguf file; use int8, int4 or awq to quantize it at load"
+        )
+
+
+def quantize_model(model, method: str, group_size: int = 64, gguf_path: Path | None = None,
+                   tokenizer=None, calibration_ids: torch.Tensor | None = None) -> None:
+    """Replace the decoder layers' float projections in place (see the module docstring).
+
+    AWQ calibrates on ``calibration_ids``, or on ``awq.CALIBRATION_TEXT`` through ``tokenizer``.
+    """
+    if method == "none":
+        return
+    if method == "gguf":
+        from pdserve.engine.quant.gguf_native import gguf_linears
+
+        replacements = gguf_linears(gguf_path, len(model.layers))
+        for name, linear in replacements.items():
+            _swap(model, name, linear)
+        return
+
+    def group_of(in_features: int) -> int:
+        g = int4_group_size(in_features, group_size)
+        if g is None:
+            raise ConfigError(f"EngineConfig.quantization_group_size: no group size of {list((32, 64, 128))} "
+                              f"divides this model's input size {in_features}")
+        if g != group_size:
+            log.info("int4: input size %d uses group size %d (not a multiple of %d)", in_features, g, group_size)
+        return g
+
+    input_scales = {}
+    if method == "awq":
+        from pdserve.engine.quant.awq import CALIBRATION_TEXT, apply_awq
+
+        if calibration_ids is None:
+            ids = tokenizer.encode(CALIBRATION_TEXT)
+            calibration_ids = torch.tensor(ids, dtype=torch.long) % model.config.vocab_size
+        input_scales = apply_awq(model, calibration_ids, group_of)
+    for i in range(len(model.layers)):
+        for suffix in LAYER_LINEARS:
+            name = f"layers.{i}.{suffix}"
+            weight = model.get_submodule(name).weight.detach()
+            if method == "int8":
+                new = Int8Linear(weight)
+            elif method in ("int4", "awq"):
+                new = Int4Linear(weight, group_of(weight.shape[1]))
+            else:
+                new = Fp8Linear(weight)
+            if name in input_scales:
+                new.set_input_scale(input_scales[name])
+            _swap(model, name, new)
+
+
+def _swap(model, name: str, new: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every parameter and buffer that holds weights (a tied tensor once; RoPE's table excluded)."""
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("rope.") or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,260 @@
+"""Weight-only quantized linear layers: drop-ins for ``model.Linear``, built from its float weight.
+
+Each keeps only the quantized weight (no float copy) and computes ``y = x W^T`` of the same
+shape and dtype as ``model.Linear``:
+
+| class | weight | matmul |
+|---|---|---|
+| ``Int8Linear`` | int8, one symmetric scale per output row | ``aten._weight_int8pack_mm`` |
+| ``Int4Linear`` | 4-bit, asymmetric per group of ``group_size`` inputs | ``aten._weight_int4pack_mm_for_cpu`` |
+| ``Fp8Linear`` | float8 e4m3, per-tensor or per-row scale | ``torch._scaled_mm`` (CUDA, FP8 GPUs only) |
+
+On CPUs the int8/int4 kernels run with bfloat16 activations: fed float32 they are 7-40x slower
+(see shared DEPENDENCIES.md). Where a kernel is missing or refuses a shape, the layer
+dequantises its weight and runs ``F.linear`` instead (correct, not fast).
+
+AWQ's per-input-channel scale, where it cannot be folded into the previous op, is applied to
+the activation (``input_scale``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def _kernel_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """Activations' dtype inside the int kernels: bf16 on CPUs (the fast path), else the model's."""
+    return torch.bfloat16 if device.type == "cpu" or dtype == torch.float32 else dtype
+
+
+class QuantLinear(nn.Module):
+    """What the quantized layers share: the shape, an optional input scale, the float fallback."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("input_scale", None)  # AWQ's 1/s when no previous op absorbs it
+
+    def set_input_scale(self, inv_scale: torch.Tensor) -> None:
+        self.input_scale = inv_scale.float().contiguous()
+
+    def prepare_for_cpu(self, parts: int, kernels) -> None:
+        """Nothing to do: the split-row layout of ``model.Linear`` is for float weights."""
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as float32 ``[out, in]`` (what the layer multiplies by, up to rounding)."""
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:
+            x = x * self.input_scale.to(x.dtype)
+        return self.matmul(x)
+
+    def weight_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def _try_kernel(layer: QuantLinear, fn, weight: torch.Tensor) -> bool:
+    """Whether ``fn`` runs and agrees with the dequantised ``weight`` on a small random input."""
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0)).to(weight.device)
+    try:
+        got = fn(x).float()
+    except (RuntimeError, NotImplementedError) as e:
+        log.info("%s: kernel unavailable (%s); dequantising per matmul", type(layer).__name__, e)
+        return False
+    want = F.linear(x, weight)
+    ok = bool(torch.allclose(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()) + 1e-6))
+    if not ok:
+        log.warning("%s: kernel disagrees with the dequantised weight; dequantising per matmul", type(layer).__name__)
+    return ok
+
+
+# ---- int8 ---------------------------------------------------------------------------------
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-row symmetric int8: ``w ~ q * scale[:, None]``, q in [-127, 127]."""
+    scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8Linear(QuantLinear):
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(*weight.shape)
+        q, scale = quantize_int8(weight)
+        self.act_dtype = _kernel_dtype(weight.device, weight.dtype)
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scales", scale.to(self.act_dtype))  # the kernel wants x's dtype
+        self.use_kernel = _try_kernel(self, self._kernel, self.dequantize())
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.to(self.act_dtype), self.qweight, self.scales)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            return self._kernel(x.contiguous()).to(x.dtype)
+        return F.linear(x, self.dequantize().to(x.dtype))
+
+
+# ---- int4 ---------------------------------------------------------------------------------
+
+
+def int4_group_size(in_features: int, wanted: int) -> int | None:
+    """``wanted``, or the largest smaller allowed group size dividing ``in_features`` (576 = 9 x 64)."""
+    for g in sorted((g for g in INT4_GROUP_SIZES if g <= wanted), reverse=True):
+        if in_features % g == 0:
+            return g
+    return None
+
+
+def quantize_int4(w: torch.Tensor, group: int, dtype: torch.dtype = torch.bfloat16):
+    """Asymmetric 4-bit per group of ``group`` inputs, in tinygemm's convention.
+
+        w ~ (q - 8) * scale + zero,   q in [0, 15],   scale, zero: [out, in / group]
+
+    Scales and zeros are rounded to ``dtype`` (the kernel's) before q is chosen, so the
+    dequantised weight is exactly what the kernel multiplies by.
+    """
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8).to(dtype).float()
+    zero = (lo + 8.0 * scale).to(dtype).float()
+    q = torch.round((g - zero[..., None]) / scale[..., None] + 8.0).clamp_(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale, zero
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
+    n, k = q.shape
+    g = q.float().reshape(n, k // group, group)
+    return ((g - 8.0) * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """``[n, k]`` values 0..15 -> ``[n, k / 2]`` bytes (even column in the low nibble)."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+class Int4Linear(QuantLinear):
+    """Group-wise 4-bit weights; ``fake_quant`` gives the float weight the layer would use (AWQ's search)."""
+
+    def __init__(self, weight: torch.Tensor, group_size: int):
+        super().__init__(*weight.shape)
+        if self.in_features % group_size:
+            raise ValueError(f"in_features {self.in_features} is not a multiple of the group size {group_size}")
+        self.group_size = group_size
+        self.act_dtype = _kernel_dtype(weight.device, weight.dtype)
+        q, scale, zero = quantize_int4(weight, group_size, self.act_dtype)
+        self.use_kernel = False
+        self.register_buffer("qweight", pack_nibbles(q))  # replaced by the kernel's layout below
+        # [in / group, out, 2]: tinygemm's scale-and-zero layout, which the fallback reads too.
+        self.register_buffer("scales_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+                             .to(self.act_dtype))
+        if weight.device.type == "cpu":
+            try:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            except (RuntimeError, NotImplementedError) as e:
+                log.info("int4: no CPU int4 pack (%s); dequantising per matmul", e)
+            else:
+                plain = self.qweight
+                self.qweight = packed
+                self.use_kernel = _try_kernel(self, self._kernel, dequantize_int4(q, scale, zero, group_size))
+                if not self.use_kernel:
+                    self.qweight = plain
+
+    @staticmethod
+    def fake_quant(weight: torch.Tensor, group_size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return dequantize_int4(*quantize_int4(weight, group_size, dtype), group_size)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(self.act_dtype), self.qweight, self.group_size, self.scales_zeros
+        )
+
+    def _plain_q(self) -> torch.Tensor:
+        if not self.use_kernel:
+            return unpack_nibbles(self.qweight)
+        # The kernel's layout is opaque: recover q by running the kernel on the identity's columns.
+        eye = torch.eye(self.in_features, dtype=self.act_dtype, device=self.qweight.device)
+        w = self._kernel(eye).float().t()  # [out, in], = (q - 8) * scale + zero
+        s, z = self.scales_zeros.float().transpose(0, 1).unbind(-1)  # [out, in / group]
+        g = w.reshape(self.out_features, -1, self.group_size)
+        return torch.round((g - z[..., None]) / s[..., None] + 8).clamp(0, 15).reshape(w.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        s, z = self.scales_zeros.float().transpose(0, 1).unbind(-1)
+        return dequantize_int4(self._plain_q(), s, z, self.group_size)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            return self._kernel(x.contiguous()).to(x.dtype)
+        return F.linear(x, self.dequantize().to(x.dtype))
+
+
+# ---- fp8 ----------------------------------------------------------------------------------
+
+
+def quantize_fp8(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with a float32 scale per row (``[out, 1]``) or per tensor (``[]``): ``w ~ q * scale``."""
+    amax = w.float().abs().amax(dim=1, keepdim=True) if per_channel else w.float().abs().amax()
+    scale = amax.clamp(min=1e-12) / FP8_MAX
+    q = (w.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """CUDA with FP8 tensor cores (compute capability 8.9: Ada, Hopper and newer)."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Linear(QuantLinear):
+    """FP8 weights and dynamically quantised FP8 activations through ``torch._scaled_mm``.
+
+    Per-tensor scales: one for the weight, one per call for the activation (any output dtype).
+    Per-channel: a scale per weight row and per activation row ("rowwise"; bf16 output).
+    """
+
+    def __init__(self, weight: torch.Tensor, per_channel: bool = False):
+        super().__init__(*weight.shape)
+        if not fp8_supported(weight.device):
+            raise RuntimeError("fp8 needs a CUDA GPU with FP8 support (compute capability 8.9+)")
+        self.per_channel = per_channel
+        q, scale = quantize_fp8(weight, per_channel)
+        self.register_buffer("qweight", q.contiguous())  # [out, in]; .t() is the column-major mat2
+        self.register_buffer("scale", scale.reshape(1, -1) if per_channel else scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_fp8(self.qweight, self.scale.reshape(-1, 1) if self.per_channel else self.scale)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        xq, x_scale = quantize_fp8(x, self.per_channel)  # rowwise for x is per token: [T, 1]
+        out_dtype = torch.bfloat16 if self.per_channel else x.dtype
+        out = torch._scaled_mm(xq, self.qweight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=out_dtype)
+        return out.to(x.dtype)

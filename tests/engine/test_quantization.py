@@ -1,0 +1,206 @@
+"""Weight-only quantization: each format against float, config refusals, whole models.
+
+Relative errors are ``|y_q - y| / |y|`` (Frobenius) on random Gaussian weights; the bounds
+leave ~1.5x room over what was measured on the development machines.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.configs import ConfigError, from_dict
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.loader import load_model
+from pdserve.engine.quant import QuantLinear, quantize_model, weight_bytes
+from pdserve.engine.quant.awq import full_forward, search_scale
+from pdserve.engine.quant.formats import (
+    Fp8Linear,
+    Int4Linear,
+    Int8Linear,
+    dequantize_fp8,
+    int4_group_size,
+    quantize_fp8,
+    quantize_int4,
+)
+from tests.conftest import assert_no_leaks, run_to_completion
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+@pytest.fixture
+def weight_and_input():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(256, 384, generator=g) * 0.02, torch.randn(8, 384, generator=g)
+
+
+# ---- single layers ------------------------------------------------------------------------
+
+
+def test_int8_linear_close_to_float(weight_and_input):
+    w, x = weight_and_input
+    layer = Int8Linear(w)
+    assert layer.qweight.dtype == torch.int8 and layer.weight_bytes() < w.numel() * 4 / 3.5
+    assert rel_err(layer(x), F.linear(x, w)) < 0.015
+    assert rel_err(layer.dequantize(), w) < 0.015
+    assert layer(x).dtype == torch.float32 and layer(x[:1]).shape == (1, 256)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_linear_close_to_float(weight_and_input, group):
+    w, x = weight_and_input
+    layer = Int4Linear(w, group)
+    bound = {32: 0.10, 64: 0.12, 128: 0.14}[group]
+    assert rel_err(layer(x), F.linear(x, w)) < bound
+    assert rel_err(layer.dequantize(), Int4Linear.fake_quant(w, group)) < 0.01  # the kernel uses the fake-quant weight
+    assert layer.weight_bytes() < w.numel() * 4 / 6
+
+
+def test_int4_math_and_group_fallback():
+    w = torch.randn(64, 128)
+    q, scale, zero = quantize_int4(w, 32)
+    assert q.min() >= 0 and q.max() <= 15 and scale.shape == (64, 4)
+    assert int4_group_size(576, 128) == 64 and int4_group_size(1536, 128) == 128 and int4_group_size(40, 64) is None
+
+
+def test_awq_beats_plain_int4_on_outlier_channels():
+    """Activations with a few channels 20x larger (as LLM activations have): AWQ's scaled weights
+    lose less of the output than plain int4."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(256, 512, generator=g) * 0.02
+    x = torch.randn(512, 512, generator=g)
+    x[:, torch.randperm(512, generator=g)[:8]] *= 20.0
+    plain = Int4Linear(w, 128)
+    s = search_scale(w, x, 128)
+    awq = Int4Linear(w * s, 128)
+    awq.set_input_scale(1.0 / s)
+    want = F.linear(x, w)
+    e_plain, e_awq = rel_err(plain(x), want), rel_err(awq(x), want)
+    assert e_awq <= e_plain
+    assert e_awq < 0.8 * e_plain, (e_awq, e_plain)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fp8_quantize_dequantize_math(weight_and_input, per_channel):
+    w, x = weight_and_input
+    q, scale = quantize_fp8(w, per_channel)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == ((256, 1) if per_channel else ())
+    assert float(q.float().abs().max()) <= 448.0
+    back = dequantize_fp8(q, scale)
+    assert rel_err(back, w) < 0.04  # e4m3: 3 mantissa bits
+    xq, xs = quantize_fp8(x, per_channel)  # what Fp8Linear does to the activation before _scaled_mm
+    assert rel_err(F.linear(dequantize_fp8(xq, xs), back), F.linear(x, w)) < 0.05
+
+
+def test_fp8_refused_on_cpu():
+    with pytest.raises(RuntimeError, match="fp8 needs a CUDA GPU"):
+        Fp8Linear(torch.randn(32, 32))
+    with pytest.raises(ConfigError, match="EngineConfig.quantization: fp8 needs a CUDA GPU with FP8 support"):
+        load_model("random:tiny", progress=False, quantization="fp8")
+
+
+# ---- configuration ------------------------------------------------------------------------
+
+
+def test_config_names_the_key():
+    assert EngineConfig().quantization == "none"
+    with pytest.raises(ConfigError, match=r"EngineConfig\.quantization: 'int3' is not one of"):
+        from_dict(EngineConfig, {"quantization": "int3"})
+    with pytest.raises(ConfigError, match=r"EngineConfig\.quantization_group_size: 48 is not one of \[32, 64, 128\]"):
+        EngineConfig(quantization="int4", quantization_group_size=48)
+    assert from_dict(EngineConfig, {"quantization": "awq", "quantization_group_size": 32}).quantization == "awq"
+
+
+def test_gguf_refused_for_a_model_that_is_not_a_gguf_file():
+    with pytest.raises(ConfigError, match="quantization: gguf keeps a GGUF file's quantized blocks.*'random'"):
+        load_model("random:tiny", progress=False, quantization="gguf")
+
+
+def test_gguf_blocks_dequantise_as_the_gguf_library_does():
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    from pdserve.engine.quant.gguf_native import dequantize_blocks
+
+    data = np.random.default_rng(0).standard_normal((8, 128)).astype(np.float32)
+    for qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.F16):
+        blocks = quantize(data, qtype)
+        got = dequantize_blocks(qtype, torch.from_numpy(blocks.view(np.uint8).copy()), 128)
+        np.testing.assert_allclose(got.numpy(), dequantize(blocks, qtype), rtol=1e-6, atol=1e-6)
+
+
+# ---- whole models -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def float_tiny():
+    return load_model("random:tiny", progress=False, seed=3)
+
+
+@pytest.mark.parametrize("method,bound", [("int8", 0.03), ("int4", 0.25), ("awq", 0.25)])
+def test_tiny_model_quantized_logits_close_to_float(float_tiny, method, bound):
+    quant = load_model("random:tiny", progress=False, seed=3, quantization=method)
+    layers = [m for m in quant.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * quant.config.num_layers
+    assert weight_bytes(quant.model) < weight_bytes(float_tiny.model)
+    assert quant.fingerprint != float_tiny.fingerprint  # quantized KV must not be mixed with float KV
+    ids = torch.tensor(float_tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4))
+    want, got = full_forward(float_tiny.model, ids), full_forward(quant.model, ids)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < bound
+
+
+def test_quantized_model_serves_through_the_engine(float_tiny):
+    """The paged engine path (batched decode, prefill) over a quantized model."""
+    loaded = load_model("random:tiny", progress=False, seed=3, quantization="int4")
+    engine = LLMEngine(EngineConfig(model="random:tiny", load_progress=False, num_kv_blocks=64), loaded=loaded)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(str(i), list(range(100 + i, 120 + 3 * i)), params)
+    outs = run_to_completion(engine)
+    assert all(len(tokens) == 6 for tokens in outs.values())
+    assert_no_leaks(engine)
+
+
+def test_awq_folds_scales_into_the_norms(float_tiny):
+    """AWQ keeps the float function: scaling alone (before rounding) leaves the logits unchanged."""
+    from pdserve.engine.quant.awq import apply_awq
+
+    model = load_model("random:tiny", progress=False, seed=3).model
+    ids = torch.tensor(float_tiny.tokenizer.encode("Scales fold into the previous op. " * 3))
+    want = full_forward(model, ids)
+    runtime = apply_awq(model, ids, lambda k: 64)
+    for name, inv in runtime.items():  # o_proj's inverse scale goes on its activation
+        linear = model.get_submodule(name)
+        linear.register_forward_pre_hook(lambda m, args, inv=inv: (args[0] * inv,))
+    torch.testing.assert_close(full_forward(model, ids), want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(model.layers[0].input_layernorm.weight, float_tiny.model.layers[0].input_layernorm.weight)
+
+
+@pytest.mark.slow
+def test_gguf_native_matches_the_dequantised_load(default_model):
+    """The default model's Q4_1 blocks kept as they are give the dequantised load's greedy tokens."""
+    native = load_model(progress=False, quantization="gguf")
+    assert all(type(m).__name__ == "GGUFLinear" for n, m in native.model.named_modules() if n.endswith("_proj"))
+    assert weight_bytes(native.model) < 0.6 * weight_bytes(default_model.model)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    prompt = default_model.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    tokens = []
+    for loaded in (default_model, native):
+        engine = LLMEngine(EngineConfig(load_progress=False, num_kv_blocks=64), loaded=loaded)
+        engine.add_request("r", prompt, params)
+        tokens.append(run_to_completion(engine)["r"])
+    assert tokens[0] == tokens[1]
+    ids = torch.tensor(prompt)
+    torch.testing.assert_close(full_forward(native.model, ids), full_forward(default_model.model, ids),
+                               rtol=1e-3, atol=1e-3)
+
+
+def test_quantize_model_none_is_a_no_op(float_tiny):
+    model = load_model("random:tiny", progress=False, seed=3).model
+    quantize_model(model, "none")
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
