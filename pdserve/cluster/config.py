@@ -6,6 +6,7 @@ One YAML document whose sections are the components' own config dataclasses::
     router:        RouterConfig   (dispatch policy, admission, conditional disaggregation)
     pools:         prefill/decode replica counts
     kv_transfer:   backend and lease
+    state_store:   StateStoreConfig (memory, or a shared Redis: worker registry, load, KV events)
 
 Precedence: built-in defaults, then the file, then command-line flags. Unknown keys, wrong types
 and impossible combinations are refused with a message naming the key
@@ -21,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
+from pdserve.cluster.state_store import StateStoreConfig
 from pdserve.configs import ConfigError, doc, from_dict
 from pdserve.engine.config import EngineConfig
 from pdserve.router.app import RouterConfig
@@ -52,6 +54,8 @@ class ServeConfig:
     router: RouterConfig = doc(default_factory=RouterConfig, help="the OpenAI-compatible router")
     pools: PoolsConfig = doc(default_factory=PoolsConfig, help="worker pools and their sizes")
     kv_transfer: KVTransferConfig = doc(default_factory=KVTransferConfig, help="KV transfer between the pools")
+    state_store: StateStoreConfig = doc(default_factory=StateStoreConfig,
+                                        help="where workers register and routers find them (memory, or redis)")
 
     def __post_init__(self) -> None:
         if self.pools.decode.replicas < 1:

@@ -28,7 +28,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     cluster = _serve_config(args, engine=collect_arguments(args, EngineConfig))
     worker_options = {"kv_backend": cluster.kv_transfer.backend, "kv_lease_ms": cluster.kv_transfer.lease_ms,
-                      **collect_arguments(args, WorkerConfig)}
+                      **_registration_options(cluster.state_store), **collect_arguments(args, WorkerConfig)}
     worker = from_dict(WorkerConfig, worker_options)
     engine = LLMEngine(cluster.engine)
     servicer = WorkerServicer
@@ -47,7 +47,14 @@ def cmd_timing_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_router(router_config, model: str, addresses: list[str]) -> None:
+def _registration_options(store) -> dict:
+    """A worker's WorkerConfig options for registering in the state store (none for the in-memory one)."""
+    if store.backend != "redis":
+        return {}
+    return {"redis": store.url, "heartbeat_s": store.heartbeat_s, "ttl_s": store.ttl_s}
+
+
+def _run_router(router_config, model: str, addresses: list[str], store=None) -> None:
     import uvicorn
 
     from pdserve.engine.tokenizer import load_tokenizer
@@ -55,7 +62,13 @@ def _run_router(router_config, model: str, addresses: list[str]) -> None:
     from pdserve.router.pool import WorkerPool
 
     pool = WorkerPool(addresses, poll_interval_s=router_config.poll_interval_s)
-    router = Router(router_config, pool, load_tokenizer(model), model)
+    discovery = None
+    if store is not None and store.backend != "memory":
+        from pdserve.cluster.state_store import make_state_store
+        from pdserve.router.discovery import StoreDiscovery
+
+        discovery = StoreDiscovery(pool, make_state_store(store), router_config.poll_interval_s, store.ttl_s)
+    router = Router(router_config, pool, load_tokenizer(model), model, discovery)
     server = uvicorn.Server(uvicorn.Config(router.create_app(), host=router_config.host, port=router_config.port,
                                            log_level="warning", timeout_graceful_shutdown=30))
     log.info("router on http://%s:%d, workers: %s", router_config.host, router_config.port, ", ".join(addresses))
@@ -66,8 +79,12 @@ def cmd_router(args: argparse.Namespace) -> int:
     from pdserve.router.app import RouterConfig
 
     engine = {"model": args.model} if args.model else {}
-    cluster = _serve_config(args, router=collect_arguments(args, RouterConfig), engine=engine)
-    _run_router(cluster.router, cluster.engine.model, args.worker)
+    store = {"backend": "redis", "url": args.redis} if args.redis else {}
+    cluster = _serve_config(args, router=collect_arguments(args, RouterConfig), engine=engine, state_store=store)
+    if not args.worker and cluster.state_store.backend == "memory":
+        raise ValueError("give the workers' addresses (--worker HOST:PORT) or a state store to find them in "
+                         "(--redis URL, or state_store in --config)")
+    _run_router(cluster.router, cluster.engine.model, args.worker or [], cluster.state_store)
     return 0
 
 
@@ -77,8 +94,9 @@ def _serve_overrides(args: argparse.Namespace) -> dict:
     pools = {role: {"replicas": n} for role, n in (("prefill", args.prefill), ("decode", args.decode))
              if n is not None}
     kv = {k: v for k, v in (("backend", args.kv_backend), ("lease_ms", args.kv_lease_ms)) if v is not None}
+    store = {"backend": "redis", "url": args.redis} if args.redis else {}
     return {"engine": collect_arguments(args, EngineConfig), "router": collect_arguments(args, RouterConfig),
-            "pools": pools, "kv_transfer": kv}
+            "pools": pools, "kv_transfer": kv, "state_store": store}
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -110,8 +128,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if cluster.engine.num_threads is None:
         engine_options["num_threads"] = max(1, (os.cpu_count() or 1) // (n_decode + n_prefill))
     flags = to_flags({**engine_options, "load_progress": False})
-    worker_flags = ["--host", "127.0.0.1", "--port", "0", *flags,
-                    "--kv-lease-ms", str(cluster.kv_transfer.lease_ms)]
+    worker_flags = ["--host", "127.0.0.1", "--port", "0", *flags, "--kv-lease-ms", str(cluster.kv_transfer.lease_ms),
+                    *to_flags(_registration_options(cluster.state_store))]
     _exit_on_sigterm()
     roles = ["prefill"] * n_prefill + ["decode"] * n_decode
     decode_flags = ["--kv-backend", cluster.kv_transfer.backend]
@@ -119,13 +137,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         log.info("starting %d prefill and %d decode worker(s) with %s", n_prefill, n_decode, cluster.engine.model)
         wait_ready(workers)
-        _run_router(cluster.router, cluster.engine.model, [w.address for w in workers])
+        _run_router(cluster.router, cluster.engine.model, [w.address for w in workers], cluster.state_store)
     finally:
         stop_workers(workers)
     return 0
 
 
 CONFIG_HELP = "a cluster YAML file (see deploy/examples/); flags override its values"
+REDIS_HELP = ("share state in the Redis at this URL (redis://host:port/db): workers register there and routers "
+              "discover them (default: in memory, no Redis)")
 
 
 def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,6 +161,7 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-lease-ms", type=int, default=None,
                         help="how long a decode worker's reserved blocks wait for their KV before computing the "
                              "prompt itself (default: 10000)")
+    parser.add_argument("--redis", metavar="URL", default=None, help=REDIS_HELP)
     add_arguments(parser.add_argument_group("router"), RouterConfig)
     add_arguments(parser.add_argument_group("engine (every worker)"), EngineConfig)
 
@@ -167,9 +188,11 @@ def add_commands(sub) -> None:
     show.set_defaults(func=cmd_config_show)
 
     router = sub.add_parser("router", help="run the router alone, in front of running workers",
-                            description="The OpenAI-compatible router, dispatching to the given workers.")
-    router.add_argument("--worker", action="append", required=True, metavar="HOST:PORT",
-                        help="a worker's gRPC address (repeatable)")
+                            description="The OpenAI-compatible router, dispatching to the given workers and "
+                                        "to those registered in the state store (--redis).")
+    router.add_argument("--worker", action="append", metavar="HOST:PORT",
+                        help="a worker's gRPC address (repeatable); with --redis, workers are also found there")
+    router.add_argument("--redis", metavar="URL", default=None, help=REDIS_HELP)
     router.add_argument("--model", default=None,
                         help="model spec whose tokenizer and chat template to use (default: the config's engine.model, "
                              f"else {EngineConfig.model})")

@@ -65,6 +65,10 @@ class WorkerConfig:
                 "on CPU, nccl on GPU; control messages over gRPC)")
     kv_fault: str = doc("", "prefill, tests only: inject a transfer fault (drop:LAYER, corrupt:LAYER, "
                             "stall:SECONDS)")
+    redis: str = doc("", "register this worker in the Redis at this URL (redis://host:port/db) for routers "
+                         "to discover; empty: not registered")
+    heartbeat_s: float = doc(1.0, "with --redis: how often the worker's record and load are refreshed")
+    ttl_s: float = doc(5.0, "with --redis: routers drop the worker when its record is this old")
 
 
 def engine_layout(engine: LLMEngine) -> KVLayout:
@@ -305,6 +309,11 @@ async def serve(engine: LLMEngine, config: WorkerConfig, servicer_cls: type[Work
         from prometheus_client import start_http_server
 
         start_http_server(config.metrics_port, addr=config.host, registry=servicer.metrics.registry)
+    registration = None
+    if config.redis:
+        from pdserve.decode_worker.registration import register
+
+        registration = await register(servicer, config.redis, config.heartbeat_s, config.ttl_s)
     log.info("%s worker %s serving %s on %s:%d", role, worker_id, engine.model_name, config.host, port)
     print(f"PDSERVE_WORKER_READY {config.host}:{port}", flush=True)  # for launchers waiting on stdout
     stop = asyncio.Event()
@@ -313,10 +322,14 @@ async def serve(engine: LLMEngine, config: WorkerConfig, servicer_cls: type[Work
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     servicer.draining = True
+    if registration is not None:
+        await registration.beat()  # routers see "draining" now, not at the next heartbeat
     deadline = time.monotonic() + config.grace_s
     while async_engine.num_active and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     sweeper.cancel()
+    if registration is not None:
+        await registration.stop()
     await server.stop(grace=1.0)
     async_engine.shutdown()
     log.info("%s worker %s stopped (pid %d)", role, worker_id, os.getpid())

@@ -31,6 +31,7 @@ from pdserve.configs import doc
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.tokenizer import ModelTokenizer
 from pdserve.proto.v1 import worker_pb2 as pb
+from pdserve.router.discovery import StoreDiscovery
 from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import POLICIES, DisaggregationConfig, least_queued_prefill
@@ -60,9 +61,11 @@ class RouterConfig:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, pool: WorkerPool, tokenizer: ModelTokenizer, model_spec: str):
+    def __init__(self, config: RouterConfig, pool: WorkerPool, tokenizer: ModelTokenizer, model_spec: str,
+                 discovery: StoreDiscovery | None = None):
         self.config = config
         self.pool = pool
+        self.discovery = discovery  # workers joining and leaving through the state store
         self.tokenizer = tokenizer
         self.model_spec = model_spec
         self.metrics = RouterMetrics()
@@ -89,11 +92,15 @@ class Router:
         @asynccontextmanager
         async def lifespan(_app):
             await self.pool.start()
+            if self.discovery is not None:
+                await self.discovery.start()
             # Everything alive now lives as long as the router: keep it out of the collector's
             # full passes, which otherwise pause the event loop for tens of ms (seen as TTFT p99).
             gc.collect()
             gc.freeze()
             yield
+            if self.discovery is not None:
+                await self.discovery.close()
             await self.pool.close()
 
         app = FastAPI(title="pdserve", version="1", lifespan=lifespan)

@@ -3,7 +3,8 @@
 A poller asks every worker for its load snapshot every ``poll_interval_s``. A worker that
 fails ``fail_after`` polls in a row, or whose call fails during a request, leaves the
 rotation (its ``down`` event is set, so requests waiting on it move elsewhere) and comes back
-when it answers again.
+when it answers again. Workers found through the state store join with ``add`` and leave with
+``remove`` while the router runs (router/discovery.py); the ``--worker`` addresses stay.
 """
 
 from __future__ import annotations
@@ -68,9 +69,7 @@ class WorkerPool:
     async def start(self) -> None:
         """Open the channels (in the running event loop), poll once, keep polling."""
         for w in self.workers:
-            w.channel = grpc.aio.insecure_channel(w.address, options=_CHANNEL_OPTIONS)
-            w.stub = pb_grpc.WorkerStub(w.channel)
-            w.down.set()
+            _open(w)
         await self.poll_once()
         self._task = asyncio.create_task(self._poll_forever(), name="worker-pool-poller")
 
@@ -111,6 +110,26 @@ class WorkerPool:
         elif w.healthy and w.snapshot.draining:
             self.mark_down(w, "draining")
 
+    async def add(self, address: str) -> WorkerHandle:
+        """A worker joins (in rotation once it answers a poll, which is tried now)."""
+        w = WorkerHandle(address)
+        _open(w)
+        self.workers.append(w)
+        await self._poll(w)
+        return w
+
+    async def remove(self, address: str, linger_s: float = 60.0) -> None:
+        """A worker leaves the pool; its channel closes once its requests here end (or after ``linger_s``)."""
+        gone = [w for w in self.workers if w.address == address]
+        self.workers = [w for w in self.workers if w.address != address]
+        for w in gone:
+            self.mark_down(w, "left the pool")
+            deadline = asyncio.get_running_loop().time() + linger_s
+            while w.inflight and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.1)
+            if w.channel is not None:
+                await w.channel.close()
+
     def mark_down(self, w: WorkerHandle, reason: str) -> None:
         if w.healthy:
             log.warning("worker %s (%s) out of rotation: %s", w.worker_id, w.address, reason)
@@ -127,3 +146,9 @@ class WorkerPool:
     def model_info(self) -> pb.WorkerInfo | None:
         infos = [w.info for w in self.workers if w.info is not None]
         return next((i for i in infos if i.role == "decode"), infos[0] if infos else None)
+
+
+def _open(w: WorkerHandle) -> None:
+    w.channel = grpc.aio.insecure_channel(w.address, options=_CHANNEL_OPTIONS)
+    w.stub = pb_grpc.WorkerStub(w.channel)
+    w.down.set()

@@ -1,0 +1,165 @@
+"""The state routers share: which workers are alive, their load, and the KV events of the prefix index.
+
+Every worker announces itself with a ``WorkerRecord`` (role, model, fingerprint, gRPC address,
+load snapshot) and repeats it every ``heartbeat_s``; a record not repeated within ``ttl_s`` has
+expired and is no longer listed. Routers list the live workers and read the KV-event stream
+from a cursor. Two backends, chosen by name (``make_state_store``), imported only when chosen:
+
+    memory   in this process (one router, tests); the default
+    redis    redis-py asyncio, shared by every router and worker pointed at the same URL
+
+A store that cannot reach its server does not raise: it logs one warning per outage and
+answers with the last state it knew (``workers``), drops writes (a worker's next heartbeat
+registers it again), and logs when the server is back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from pdserve.configs import ConfigError, doc
+
+
+@dataclass(frozen=True)
+class StateStoreConfig:
+    """Where the cluster's shared state lives (the ``state_store:`` section of the cluster YAML)."""
+
+    backend: Literal["memory", "redis"] = doc("memory", "memory (in the router's process) or redis (shared)")
+    url: str = doc("", "redis: the server, e.g. redis://host:6379/0")
+    namespace: str = doc("pdserve", "prefix of every key, so several clusters can share one Redis")
+    ttl_s: float = doc(5.0, "a worker not heard from for this long is dropped from the rotation")
+    heartbeat_s: float = doc(1.0, "how often a worker repeats its record (with its load)")
+    max_events: int = doc(10000, "KV events kept in the stream (older ones are trimmed)")
+
+    def __post_init__(self) -> None:
+        if self.backend == "redis" and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"state_store.url: the redis backend needs a redis:// URL, got {self.url!r}")
+        if self.heartbeat_s <= 0:
+            raise ConfigError(f"state_store.heartbeat_s: must be positive, got {self.heartbeat_s}")
+        if self.ttl_s <= self.heartbeat_s:
+            raise ConfigError(f"state_store.ttl_s: must be longer than heartbeat_s ({self.heartbeat_s}), "
+                              f"got {self.ttl_s}")
+        if self.max_events < 1:
+            raise ConfigError(f"state_store.max_events: must be positive, got {self.max_events}")
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """One worker as the store knows it: identity, where to reach it, and its last load snapshot."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    address: str  # gRPC host:port
+    model: str = ""
+    model_fingerprint: str = ""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    waiting_prompt_tokens: int = 0
+    draining: bool = False
+    timestamp: float = 0.0  # the worker's clock (time.time()) when it sent this record
+
+
+@dataclass(frozen=True)
+class KVEventRecord:
+    """A worker's prefix blocks stored or removed (engine.block_pool.KVEvent, with its origin)."""
+
+    worker_id: str
+    kind: str  # "stored" | "removed"
+    block_hashes: tuple[str, ...]  # hex
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    events: list[KVEventRecord]
+    cursor: str  # pass back to read the events after these
+    resync: bool = False  # events were lost since the cursor (trimmed, or the server restarted): rebuild
+
+
+class StateStore(Protocol):
+    """The calls every backend answers; all of them survive the server going away."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def heartbeat(self, record: WorkerRecord) -> None:
+        """Register ``record.worker_id`` or refresh it; it expires ``ttl_s`` after the last call."""
+
+    async def deregister(self, worker_id: str) -> None: ...
+
+    async def workers(self) -> list[WorkerRecord]:
+        """The live workers (last known ones while the server is unreachable)."""
+
+    async def publish_kv_events(self, events: list[KVEventRecord]) -> None: ...
+
+    async def read_kv_events(self, cursor: str = "", count: int = 1000) -> KVEventBatch:
+        """Events after ``cursor`` ("" = from the oldest kept), at most ``count``."""
+
+
+class MemoryStateStore:
+    """The in-process store: a dict of records with their expiry, a bounded deque of events."""
+
+    def __init__(self, config: StateStoreConfig, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.clock = clock
+        self._records: dict[str, tuple[WorkerRecord, float]] = {}  # id -> (record, expires at)
+        self._events: deque[tuple[int, KVEventRecord]] = deque(maxlen=config.max_events)
+        self._next_event = 1
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def heartbeat(self, record: WorkerRecord) -> None:
+        self._records[record.worker_id] = (record, self.clock() + self.config.ttl_s)
+
+    async def deregister(self, worker_id: str) -> None:
+        self._records.pop(worker_id, None)
+
+    async def workers(self) -> list[WorkerRecord]:
+        now = self.clock()
+        for worker_id in [k for k, (_, expires) in self._records.items() if expires <= now]:
+            del self._records[worker_id]
+        return sorted((r for r, _ in self._records.values()), key=lambda r: r.worker_id)
+
+    async def publish_kv_events(self, events: list[KVEventRecord]) -> None:
+        for event in events:
+            self._events.append((self._next_event, event))
+            self._next_event += 1
+
+    async def read_kv_events(self, cursor: str = "", count: int = 1000) -> KVEventBatch:
+        after = int(cursor or 0)
+        oldest = self._events[0][0] if self._events else self._next_event
+        resync = after + 1 < oldest and after > 0
+        picked = [(i, e) for i, e in self._events if i > after][:count]
+        return KVEventBatch([e for _, e in picked], str(picked[-1][0] if picked else max(after, oldest - 1)), resync)
+
+
+STATE_STORES: dict[str, str | Callable[[StateStoreConfig], StateStore]] = {
+    "memory": "pdserve.cluster.state_store:MemoryStateStore",
+    "redis": "pdserve.cluster.redis_store:RedisStateStore",
+}
+
+
+def register_state_store(name: str, factory: str | Callable[[StateStoreConfig], StateStore]) -> None:
+    """Add a backend ("module:Class", or a callable taking the config); tests register fakes here."""
+    STATE_STORES[name] = factory
+
+
+def make_state_store(config: StateStoreConfig) -> StateStore:
+    """The backend ``config.backend`` names, its module imported only now."""
+    factory = STATE_STORES.get(config.backend)
+    if factory is None:
+        raise ConfigError(f"state_store.backend: {config.backend!r} is not one of {sorted(STATE_STORES)}")
+    if isinstance(factory, str):
+        module, name = factory.split(":")
+        factory = getattr(importlib.import_module(module), name)
+    return factory(config)
