@@ -1,10 +1,11 @@
 """Two routers sharing one Redis, over real processes: plain-process workers register themselves,
 both routers find the same workers (none given with --worker), a worker that joins later is
 found and one whose heartbeat stops is dropped by both, and Redis stopped and restarted mid-run
-fails no request."""
+fails no request. ``pdserve serve --redis`` registers its workers and deregisters them on stop."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -13,7 +14,9 @@ import httpx
 import pytest
 
 from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready
+from pdserve.cluster.state_store import StateStoreConfig, make_state_store
 from tests.integration.conftest import start_router
+from tests.integration.test_serve_cli import start_serve
 from tests.redis_server import RedisServer, redis_binary
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -118,3 +121,28 @@ def test_two_routers_share_the_workers_in_redis(redis, tmp_path):
         for proc, _ in routers:
             proc.wait(30)
         stop_workers(workers, grace_s=10)
+
+
+def registered(url: str) -> list:
+    async def read():
+        store = make_state_store(StateStoreConfig(backend="redis", url=url))
+        await store.start()
+        try:
+            return await store.workers()
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def test_serve_with_redis_registers_its_workers(redis):
+    proc, url = start_serve("--redis", redis.url(1))
+    try:
+        records = registered(redis.url(1))
+        assert sorted(r.role for r in records) == ["decode", "prefill"]
+        assert all(r.model and r.model_fingerprint and r.address for r in records)
+        assert complete(url, httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]) == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert registered(redis.url(1)) == []  # deregistered on the way out
