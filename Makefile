@@ -4,9 +4,16 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install serve test test-quick clean-venv
+.PHONY: install serve test test-quick clean-venv system-deps
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed system-deps
+
+# redis-server: the shared-state tests start their own (tests/redis_server.py). Installed
+# only when missing; sudo only when not root.
+system-deps:
+	@command -v redis-server >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get install -y redis-server || { $$SUDO apt-get update && $$SUDO apt-get install -y redis-server; }; }
 
 # torch 2.13.0 first: its CPU wheel lies on these machines, and a range such as torch>=2.4
 # asked for without it would pull a multi-GB CUDA build. The default model's weights come
