@@ -25,8 +25,9 @@ from pdserve.configs import ConfigError  # noqa: E402
 from pdserve.engine import triton_kernels as tk  # noqa: E402
 from pdserve.engine.attention import AttentionMetadata, get_backend, write_kv  # noqa: E402
 from pdserve.engine.config import RopeScaling  # noqa: E402
-from pdserve.engine.cuda_graphs import CudaGraphRunner  # noqa: E402
+from pdserve.engine.cuda_graphs import CudaGraphRunner, to_device  # noqa: E402
 from pdserve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
+from pdserve.engine.loader import build_model  # noqa: E402
 from pdserve.engine.model import RotaryEmbedding, apply_rope  # noqa: E402
 from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 from pdserve.engine.request import Request  # noqa: E402
@@ -177,8 +178,9 @@ def test_tiny_model_logits_match_torch_backend(tiny_model):
     """The whole tiny model with Triton attention against the torch backend: two requests of
     different lengths, the second prefilled in chunks, then decode steps (block size 4)."""
     model = tiny_model.model
-    runners = {name: ModelRunner(model, num_blocks=24, block_size=4, attention_backend=name)
-               for name in ("torch", "triton")}
+    models = {"torch": model, "triton": model if DEVICE.type == "cpu" else
+              build_model(tiny_model.config, dict(model.state_dict()), device=DEVICE)}
+    runners = {name: ModelRunner(m, num_blocks=24, block_size=4, attention_backend=name) for name, m in models.items()}
     scheduler = Scheduler(KVCacheManager(24, 4), max_num_batched_tokens=9, max_num_seqs=4)
     gen = torch.Generator().manual_seed(2)
     for i, n in enumerate((6, 13)):
@@ -192,7 +194,9 @@ def test_tiny_model_logits_match_torch_backend(tiny_model):
             logits = {}
             for name, runner in runners.items():
                 ids, positions, meta, _ = runner.prepare_inputs(items)
-                logits[name] = model.compute_logits(model(ids, positions, runner.layer_caches, meta, runner.backend))
+                m, dev = models[name], runner.device
+                ids, positions, meta = ids.to(dev), positions.to(dev), to_device(meta, dev)
+                logits[name] = m.compute_logits(m(ids, positions, runner.layer_caches, meta, runner.backend)).cpu()
             worst = max(worst, rel_err(logits["triton"], logits["torch"]))
             assert worst < 1e-4
             out, row = ModelOutput(), 0
