@@ -4,12 +4,14 @@
 Without CUDA it runs only under Triton's CPU interpreter (``TRITON_INTERPRET=1``, which the tests
 set); otherwise building it raises ``ConfigError``.
 
-Per layer and step, three launches at most (triton_kernels.py):
+Per layer and step (triton_kernels.py):
 
     store_kv        the step's new keys and values into their slots (the cache layout is the
                     engine's, so kvtransfer ships the same blocks whatever backend either side runs)
-    paged_decode    the one-token requests, GQA heads of a KV head together, split over the context
-    paged_prefill   every prefill chunk in one launch, over its cached prefix and itself, causally
+    paged_decode    the one-token requests, GQA heads of a KV head together; at small batches the
+                    context is split over several programs, and a second launch combines them
+    paged_prefill   every prefill chunk in one launch (speculative verification rows included),
+                    over its cached prefix and itself, causally
 
 Decode-only steps on CUDA are replayed from CUDA graphs (cuda_graphs.py); a padding row of a
 graph has slot block -1 (nothing stored) and length 0 (output 0).
