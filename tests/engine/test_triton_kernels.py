@@ -233,8 +233,8 @@ def test_graph_inputs_padding_matches_eager(tiny_model):
         model(ids, positions, runner.layer_caches, meta, runner.backend)
         scheduler.update(sched, sampled(items))
         items, ids, positions, meta = scheduled_inputs(runner, scheduler.schedule())  # a token each
-        assert meta.num_decodes == 3 and not graphs.enabled  # no CUDA here: forward() would run eagerly
-        eager = model(ids, positions, runner.layer_caches, meta, runner.backend)
+        assert meta.num_decodes == 3 and not graphs.enabled  # no CUDA here: forward() runs eagerly
+        eager = graphs.forward(ids, positions, meta)
         graphs.fill(ids, positions, meta)
         padded = model(*graphs.views(4)[:2], runner.layer_caches, graphs.views(4)[2], runner.backend)
     torch.testing.assert_close(padded[:3], eager, atol=1e-6, rtol=1e-5)
