@@ -123,16 +123,20 @@ def test_two_routers_share_the_workers_in_redis(redis, tmp_path):
         stop_workers(workers, grace_s=10)
 
 
-def registered(url: str) -> list:
+def read_store(url: str, what: str):
     async def read():
         store = make_state_store(StateStoreConfig(backend="redis", url=url))
         await store.start()
         try:
-            return await store.workers()
+            return await store.workers() if what == "workers" else (await store.read_kv_events()).events
         finally:
             await store.close()
 
     return asyncio.run(read())
+
+
+def registered(url: str) -> list:
+    return read_store(url, "workers")
 
 
 def test_serve_with_redis_registers_its_workers(redis):
@@ -141,7 +145,15 @@ def test_serve_with_redis_registers_its_workers(redis):
         records = registered(redis.url(1))
         assert sorted(r.role for r in records) == ["decode", "prefill"]
         assert all(r.model and r.model_fingerprint and r.address for r in records)
-        assert complete(url, httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]) == 200
+        model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+        body = {"model": model, "prompt": list(range(1000, 1040)), "max_tokens": 4, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        # The prompt filled two 16-token blocks: the workers publish them with their next heartbeat.
+        wait_for(lambda: any(e.kind == "stored" for e in read_store(redis.url(1), "events")), 10,
+                 "the workers' KV events reach the stream")
+        events = read_store(redis.url(1), "events")
+        assert {e.worker_id for e in events} <= {r.worker_id for r in records}
+        assert all(len(h) == 32 for e in events for h in e.block_hashes)  # 16-byte hashes, hex
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
