@@ -212,7 +212,7 @@ def paged_decode(
         q, k_cache, v_cache, block_ids, starts, lens, out, part_acc, part_m, part_l, *q.stride(), *out.stride(),
         *k_cache.stride(), *v_cache.stride(), scale * LOG2E, NUM_HEADS=num_heads, GROUP=group, G_PAD=_pow2(group),
         HEAD_DIM=hd, D_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_N=block_n, NUM_SPLITS=splits,
-        PRECISION=_precision(q.dtype), num_warps=4,
+        PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
     )
     if splits > 1:
         _decode_reduce_kernel[(n, num_heads)](
@@ -310,7 +310,7 @@ def paged_prefill(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_ids, table_starts, q_starts, q_lens, ctx_lens, *q.stride(), *out.stride(),
         *k_cache.stride(), *v_cache.stride(), scale * LOG2E, GROUP=num_heads // kvh, HEAD_DIM=hd, D_PAD=d_pad,
-        BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=32, PRECISION=_precision(q.dtype), num_warps=4,
+        BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=32, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
     )
     return out
 
