@@ -75,6 +75,7 @@ def load_kernels() -> ctypes.CDLL | None:
         "silu_mul_f32": [ptr] * 2 + [i64] * 2,
         "write_kv_f32": [ptr] * 6 + [i64] * 6,
         "gemv_f32": [ptr] * 3 + [i64] * 2,
+        "gemm_rows_f32": [ptr] * 3 + [i64] * 3,
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -134,6 +135,15 @@ def gemv(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tenso
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype)
     lib.gemv_f32(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k)
+    return out
+
+
+def gemm_rows(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for a few rows, reading ``weight`` once: ``x`` ``[m, k]`` contiguous."""
+    n, k = weight.shape
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype)
+    lib.gemm_rows_f32(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, m)
     return out
 
 

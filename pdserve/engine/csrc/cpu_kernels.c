@@ -210,3 +210,37 @@ void gemv_f32(const float *restrict w, const float *restrict x, float *restrict 
         }
     }
 }
+
+/* y[m, n] = x[m, k] @ w[n, k]^T for a few rows (m small: speculative verification, small
+ * batches): each row of w is read once from memory and used for every row of x, four at a time. */
+void gemm_rows_f32(const float *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t k,
+                   int64_t m) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *wi = w + i * k;
+        int64_t r = 0;
+        for (; r + 4 <= m; r += 4) {
+            const float *x0 = x + r * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (int64_t j = 0; j < k; j++) {
+                const float wj = wi[j];
+                a0 += wj * x0[j];
+                a1 += wj * x1[j];
+                a2 += wj * x2[j];
+                a3 += wj * x3[j];
+            }
+            y[r * n + i] = a0;
+            y[(r + 1) * n + i] = a1;
+            y[(r + 2) * n + i] = a2;
+            y[(r + 3) * n + i] = a3;
+        }
+        for (; r < m; r++) {
+            const float *xr = x + r * k;
+            float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+            for (int64_t j = 0; j < k; j++) a += wi[j] * xr[j];
+            y[r * n + i] = a;
+        }
+    }
+}
