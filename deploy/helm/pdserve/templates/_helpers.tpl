@@ -1,0 +1,105 @@
+{{/* Names, labels and the values shared by several templates. */}}
+
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's prefix for every object; 40 characters leave room for "-prefill-123" and DNS. */}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else if contains (include "pdserve.name" .) .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name (include "pdserve.name" .) | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "pdserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Selector labels of one component: include "pdserve.selectorLabels" (list . "router") */}}
+{{- define "pdserve.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "pdserve.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "pdserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/* The Redis URL, or nothing when there is no Redis. */}}
+{{- define "pdserve.redisUrl" -}}
+{{- if .Values.redis.url }}
+{{- .Values.redis.url }}
+{{- else if .Values.redis.enabled }}
+{{- printf "redis://%s-redis.%s.svc.%s:6379/0" (include "pdserve.fullname" .) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+{{- end }}
+
+{{/* Every worker's gRPC address (StatefulSet pods have stable DNS names), one per line. */}}
+{{- define "pdserve.workerAddresses" -}}
+{{- $fullname := include "pdserve.fullname" . }}
+{{- range $role := list "prefill" "decode" }}
+{{- $pool := index $.Values.pools $role }}
+{{- range $i, $_ := until (int $pool.replicas) }}
+{{ printf "%s-%s-%d.%s-%s.%s.svc.%s:%d" $fullname $role $i $fullname $role $.Release.Namespace $.Values.clusterDomain (int $pool.grpcPort) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Prometheus scrape annotations for a pod: include "pdserve.scrapeAnnotations" (list . PORT) */}}
+{{- define "pdserve.scrapeAnnotations" -}}
+{{- if (index . 0).Values.metrics.podAnnotations -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ index . 1 | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end }}
+
+{{/* The cluster YAML (pdserve/cluster/config.py: ServeConfig) the processes read. */}}
+{{- define "pdserve.clusterConfig" -}}
+{{- $config := deepCopy .Values.config }}
+{{- $_ := set $config "pools" (dict "prefill" (dict "replicas" (int .Values.pools.prefill.replicas))
+                                    "decode" (dict "replicas" (int .Values.pools.decode.replicas))) }}
+{{- with (include "pdserve.redisUrl" .) }}
+{{- $_ := set $config "state_store" (dict "backend" "redis" "url" .) }}
+{{- end }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/*
+The Ray Serve config (serveConfigV2): one application whose builder (ray.importPath) gets the cluster
+YAML as args.cluster and deploys Router, PrefillWorker and DecodeWorker. Each pool's replicas need its
+custom Ray resource (prefill: 1 or decode: 1), which only that worker group's pods advertise, one each:
+one pool replica per pod. The routers need a CPU, which only the head advertises.
+*/}}
+{{- define "pdserve.serveConfig" -}}
+{{- $deployments := list (dict "name" "Router" "num_replicas" (int .Values.router.replicas)
+                               "ray_actor_options" (dict "num_cpus" 1)) }}
+{{- range $role := list "prefill" "decode" }}
+{{- $pool := index $.Values.pools $role }}
+{{- $a := $pool.autoscaling }}
+{{- $initial := min (max (int $pool.replicas) (int $a.min_replicas)) (int $a.max_replicas) }}
+{{- $policy := dict "policy_function" $.Values.ray.policyFunction
+                    "policy_kwargs" (merge (dict "role" $role) (deepCopy $a)) }}
+{{- $autoscaling := dict "min_replicas" (int $a.min_replicas) "max_replicas" (int $a.max_replicas)
+                         "initial_replicas" $initial "policy" $policy }}
+{{- $deployments = append $deployments (dict "name" (printf "%sWorker" (title $role))
+                                              "autoscaling_config" $autoscaling
+                                              "ray_actor_options" (dict "num_cpus" 0 "resources" (dict $role 1))) }}
+{{- end }}
+{{- $app := dict "name" "pdserve" "route_prefix" "/" "import_path" .Values.ray.importPath
+                 "args" (dict "cluster" (include "pdserve.clusterConfig" . | fromYaml))
+                 "deployments" $deployments }}
+{{- toYaml (dict "proxy_location" "EveryNode"
+                 "http_options" (dict "host" "0.0.0.0" "port" (int .Values.router.port))
+                 "applications" (list $app)) }}
+{{- end }}

