@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import re
 import warnings
@@ -38,7 +37,6 @@ CHART = DEPLOY / "helm" / "pdserve"
 RAYSERVICE = DEPLOY / "kuberay" / "rayservice.yaml"
 K8S_VERSION = "1.33"  # the Kubernetes API the built-in objects are validated against
 NAMESPACE = "serving"
-HAS_STATE_STORE = "state_store" in {f.name for f in dataclasses.fields(ServeConfig)}
 
 # Chart values for each mode the chart has, laid over values.yaml.
 MODES = {
@@ -52,7 +50,6 @@ MODES = {
     "external-redis": {"redis": {"url": "redis://redis.example:6379/2"}},
     "ray-redis": {"ray": {"enabled": True}, "redis": {"enabled": True}},
 }
-NEEDS_STATE_STORE = {"redis", "external-redis", "ray-redis"}
 
 
 def render(values: dict, name: str = "demo") -> list[dict]:
@@ -68,14 +65,6 @@ def render(values: dict, name: str = "demo") -> list[dict]:
             if doc:
                 docs.append(doc)
     return docs
-
-
-def mode_params():
-    for mode in MODES:
-        marks = []
-        if mode in NEEDS_STATE_STORE and not HAS_STATE_STORE:
-            marks.append(pytest.mark.skip(reason="the cluster YAML has no state_store section yet"))
-        yield pytest.param(mode, marks=marks, id=mode)
 
 
 # ---- Kubernetes objects -------------------------------------------------------------------------------
@@ -290,7 +279,7 @@ def test_chart_lints():
     assert not problems, problems
 
 
-@pytest.mark.parametrize("mode", list(mode_params()))
+@pytest.mark.parametrize("mode", MODES)
 def test_chart_renders_valid_objects(mode, tmp_path):
     objs = render(MODES[mode])
     kinds = sorted(o["kind"] for o in objs)
@@ -314,29 +303,34 @@ def test_chart_renders_valid_objects(mode, tmp_path):
 
 
 def check_plain_mode(objs: list[dict], config: ServeConfig) -> None:
-    """The router is given every worker by its stable name; every worker and the router start as written."""
-    statefulsets = [o for o in objs if o["kind"] == "StatefulSet"]
+    """Every worker and the router start as written; the router finds every worker: by its stable name
+    (StatefulSet pods, --worker), or through Redis (Deployments that register there)."""
+    redis = config.state_store.backend == "redis"
+    pools = [o for o in objs if o["kind"] in ("StatefulSet", "Deployment")
+             and o["spec"]["template"]["spec"]["containers"][0]["name"] in ("prefill", "decode")]
     expected = set()
-    for sts in statefulsets:
-        (container,) = sts["spec"]["template"]["spec"]["containers"]
+    for pool in pools:
+        assert pool["kind"] == ("Deployment" if redis else "StatefulSet")
+        (container,) = pool["spec"]["template"]["spec"]["containers"]
         args = parse_pdserve_args(container["args"])
         assert (args.command, args.role) == ("worker", container["name"])
         assert args.host == "$(POD_IP)", "a worker must advertise an address other pods can reach"
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert args.port == ports["grpc"] and args.metrics_port == ports["metrics"]
-        annotations = sts["spec"]["template"]["metadata"].get("annotations", {})
+        annotations = pool["spec"]["template"]["metadata"].get("annotations", {})
         if "prometheus.io/port" in annotations:
             assert int(annotations["prometheus.io/port"]) == args.metrics_port
-        name, service = sts["metadata"]["name"], sts["spec"]["serviceName"]
-        expected |= {f"{name}-{i}.{service}.{NAMESPACE}.svc.cluster.local:{args.port}"
-                     for i in range(sts["spec"]["replicas"])}
-    roles = {o["spec"]["template"]["spec"]["containers"][0]["name"]: o["spec"]["replicas"] for o in statefulsets}
+        if not redis:
+            name, service = pool["metadata"]["name"], pool["spec"]["serviceName"]
+            expected |= {f"{name}-{i}.{service}.{NAMESPACE}.svc.cluster.local:{args.port}"
+                         for i in range(pool["spec"]["replicas"])}
+    roles = {o["spec"]["template"]["spec"]["containers"][0]["name"]: o["spec"]["replicas"] for o in pools}
     assert roles.get("prefill", 0) == config.pools.prefill.replicas
     assert roles["decode"] == config.pools.decode.replicas
     (router,) = [c for o, c in containers(objs) if c["name"] == "router"]
     args = parse_pdserve_args(router["args"])
     assert args.command == "router" and args.host == "0.0.0.0"
-    assert set(args.worker) == expected and len(args.worker) == len(expected)
+    assert set(args.worker or []) == expected and len(args.worker or []) == len(expected)
 
 
 def test_values_autoscaling_is_the_policy_config():
