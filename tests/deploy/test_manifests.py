@@ -1,7 +1,8 @@
 """deploy/: the Helm chart renders, and every manifest is one Kubernetes would accept and pdserve would run.
 
 - The chart is rendered by Helm's own template engine (helm-python-sdk: Helm's Go SDK behind a C ABI, no
-  helm binary), for each mode of its values, and linted as `helm lint` does.
+  helm binary), for each mode of its values, and linted as `helm lint --strict` does; values that
+  values.schema.json refuses are refused.
 - Every built-in object is validated against Kubernetes' OpenAPI schemas, strictly (unknown fields are
   errors), with kubernetes-validate (schemas shipped in the package, offline).
 - The KubeRay RayService has no schema here: its fields are checked by hand against KubeRay's ray.io/v1
@@ -15,12 +16,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
-import helm_python as helm
 import kubernetes_validate
 import promql_parser
 import pytest
@@ -52,12 +55,52 @@ MODES = {
 }
 
 
-def render(values: dict, name: str = "demo") -> list[dict]:
-    """The chart's objects for these values (NOTES.txt and empty documents left out)."""
-    with helm.Chart.load(str(CHART)) as chart:
-        files = chart.render(values, name=name, namespace=NAMESPACE)
+LONG_NAME = "a-release-name-that-is-quite-long-indeed"
+# Values Helm must refuse (values.schema.json), with the key its message must name.
+BAD_VALUES = {
+    "pool-key-typo": ({"pools": {"decode": {"replica": 3}}}, "replica"),
+    "autoscaling-key-typo": ({"pools": {"prefill": {"autoscaling": {"min_replica": 0}}}}, "min_replica"),
+    "unknown-section": ({"rayy": {"enabled": True}}, "rayy"),
+    "bad-auth-mode": ({"ray": {"authMode": "tokn"}}, "authMode"),
+}
+
+# Helm runs in a child process: its Go runtime stays out of the test process (signals, threads, forks).
+HELM_SCRIPT = """
+import json, sys
+import helm_python as helm
+req = json.load(sys.stdin)
+out = {"renders": {}, "lint": helm.lint(req["chart"], strict=True, namespace=req["namespace"],
+                                        kube_version=req["kube_version"])}
+with helm.Chart.load(req["chart"]) as chart:
+    for key, (values, name) in req["renders"].items():
+        try:
+            out["renders"][key] = {"files": chart.render(values, name=name, namespace=req["namespace"])}
+        except helm.HelmError as e:
+            out["renders"][key] = {"error": f"{type(e).__name__}: {e}"}
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def helm_out() -> dict:
+    """`helm lint` and `helm template` of every case here, by Helm's own engine (helm-python-sdk)."""
+    renders = {mode: (values, "demo") for mode, values in MODES.items()}
+    renders["long-name"] = ({"pools": {"decode": {"replicas": 12}}}, LONG_NAME)
+    renders |= {f"bad:{key}": (values, "demo") for key, (values, _) in BAD_VALUES.items()}
+    request = {"chart": str(CHART), "namespace": NAMESPACE, "kube_version": f"v{K8S_VERSION}.0",
+               "renders": renders}
+    proc = subprocess.run([sys.executable, "-c", HELM_SCRIPT], input=json.dumps(request), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def objects(helm_out: dict, key: str) -> list[dict]:
+    """The chart's objects in one rendering (NOTES.txt and empty documents left out)."""
+    result = helm_out["renders"][key]
+    assert "files" in result, result.get("error")
     docs = []
-    for path, text in sorted(files.items()):
+    for path, text in sorted(result["files"].items()):
         if path.endswith(".txt"):
             continue
         for doc in yaml.safe_load_all(text):
@@ -273,15 +316,15 @@ def check_ray_serve_schema(config: dict) -> None:
 # ---- the chart ----------------------------------------------------------------------------------------
 
 
-def test_chart_lints():
-    report = helm.lint(str(CHART), strict=True, namespace=NAMESPACE, kube_version=f"v{K8S_VERSION}.0")
+def test_chart_lints(helm_out):
+    report = helm_out["lint"]
     problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
     assert not problems, problems
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_chart_renders_valid_objects(mode, tmp_path):
-    objs = render(MODES[mode])
+def test_chart_renders_valid_objects(helm_out, mode, tmp_path):
+    objs = objects(helm_out, mode)
     kinds = sorted(o["kind"] for o in objs)
     names = [(o["kind"], o["metadata"]["name"]) for o in objs]
     assert len(names) == len(set(names)), f"an object rendered twice: {names}"
@@ -345,9 +388,22 @@ def test_values_config_is_a_cluster_yaml():
     load_serve_config(None, values["config"])
 
 
-def test_worker_rendering_names_fit_dns():
+@pytest.mark.parametrize("case", BAD_VALUES)
+def test_chart_refuses_bad_values(helm_out, case):
+    error = helm_out["renders"][f"bad:{case}"].get("error", "")
+    assert error.startswith("HelmValuesError") and BAD_VALUES[case][1] in error, error
+
+
+def test_values_schema_knows_the_policy_keys():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for role in ("prefill", "decode"):
+        keys = set(schema["properties"]["pools"]["properties"][role]["properties"]["autoscaling"]["properties"])
+        assert keys == {f.name for f in dataclasses.fields(AutoscalingConfig)}
+
+
+def test_worker_rendering_names_fit_dns(helm_out):
     """The longest names the chart makes (pod names of a StatefulSet, plus the Service) stay DNS labels."""
-    objs = render({"pools": {"decode": {"replicas": 12}}}, name="a-release-name-that-is-quite-long-indeed")
+    objs = objects(helm_out, "long-name")
     for o in objs:
         if o["kind"] == "StatefulSet":
             pod = f"{o['metadata']['name']}-{o['spec']['replicas'] - 1}"
@@ -464,7 +520,7 @@ def test_dashboard_panels_and_metrics():
     assert AUTOSCALER_METRICS <= used and "autoscaler" in dashboard["description"]
 
 
-def test_prometheus_config():
+def test_prometheus_config(helm_out):
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     jobs = [j["job_name"] for j in config["scrape_configs"]]
     assert len(jobs) == len(set(jobs))
@@ -477,7 +533,7 @@ def test_prometheus_config():
             re.compile(rule.get("regex", "(.*)"))
             assert rule.get("target_label") != "pool", "`pool` would clash with the autoscaler's own label"
     # The pods the scrape keeps are the ones the chart annotates.
-    objs = render({})
+    objs = objects(helm_out, "default")
     annotated = [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")
                  and o["spec"]["template"]["metadata"].get("annotations", {}).get("prometheus.io/scrape") == "true"]
     assert {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] for o in annotated} == \
