@@ -50,7 +50,8 @@ MODES = {
     "ray": {"ray": {"enabled": True}},
     "ray-scale-to-zero": {"ray": {"enabled": True}, "pools": {"prefill": {"autoscaling": {"min_replicas": 0}}}},
     "redis": {"redis": {"enabled": True}},
-    "external-redis": {"redis": {"url": "redis://redis.example:6379/2"}},
+    "external-redis": {"redis": {"url": "redis://redis.example:6379/2"},
+                       "config": {"state_store": {"ttl_s": 10.0, "namespace": "pdserve-a"}}},
     "ray-redis": {"ray": {"enabled": True}, "redis": {"enabled": True}},
 }
 
@@ -339,6 +340,10 @@ def test_chart_renders_valid_objects(helm_out, mode, tmp_path):
         bool(redis and not values["redis"].get("url"))
     if redis:
         assert config.state_store.backend == "redis"
+        assert config.state_store.url == values["redis"].get("url") or config.state_store.url.startswith(
+            "redis://demo-pdserve-redis.")
+        for key, value in values.get("config", {}).get("state_store", {}).items():
+            assert getattr(config.state_store, key) == value
     if values.get("ray", {}).get("enabled"):
         assert kinds.count("RayService") == 1 and "StatefulSet" not in kinds
     else:

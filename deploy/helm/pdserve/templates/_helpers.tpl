@@ -70,7 +70,7 @@ prometheus.io/path: /metrics
 {{- $_ := set $config "pools" (dict "prefill" (dict "replicas" (int .Values.pools.prefill.replicas))
                                     "decode" (dict "replicas" (int .Values.pools.decode.replicas))) }}
 {{- with (include "pdserve.redisUrl" .) }}
-{{- $_ := set $config "state_store" (dict "backend" "redis" "url" .) }}
+{{- $_ := set $config "state_store" (merge (dict "backend" "redis" "url" .) ($config.state_store | default dict)) }}
 {{- end }}
 {{- toYaml $config }}
 {{- end }}
