@@ -385,7 +385,7 @@ def test_values_autoscaling_is_the_policy_config():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     for role, pool in values["pools"].items():
         policy = from_dict(AutoscalingConfig, pool["autoscaling"], owner=f"pools.{role}.autoscaling")
-        assert policy.min_replicas <= pool["replicas"] or role == "prefill"
+        assert policy.min_replicas <= pool["replicas"] <= policy.max_replicas, "the defaults start within bounds"
 
 
 def test_values_config_is_a_cluster_yaml():
