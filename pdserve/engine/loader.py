@@ -37,7 +37,7 @@ def load_model(
     seed: int = 0,
     progress: bool = True,
     quantization: str = "none",
-    quantization_group_size: int = 64,
+    quantization_group_size: int = 32,
 ) -> LoadedModel:
     start = time.perf_counter()
     source = resolve_model(spec)

@@ -55,7 +55,7 @@ def check_quantization(method: str, source_kind: str, device: torch.device | str
         )
 
 
-def quantize_model(model, method: str, group_size: int = 64, gguf_path: Path | None = None,
+def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | None = None,
                    tokenizer=None, calibration_ids: torch.Tensor | None = None) -> None:
     """Replace the decoder layers' float projections in place (see the module docstring).
 
