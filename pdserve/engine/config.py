@@ -147,12 +147,16 @@ class EngineConfig:
         "int4 (per group), awq (int4 with activation-aware scales calibrated at load), fp8 (CUDA GPUs with FP8 "
         "only), gguf (keep a .gguf file's own quantized blocks, dequantised per matmul)"
     )
-    quantization_group_size: int = doc(64, "inputs per int4/awq scale: 32, 64 or 128 (a layer whose input size "
-                                       "it does not divide uses the largest smaller one that does)")
+    quantization_group_size: int = doc(32, "inputs per int4/awq scale and zero: 32, 64 or 128 (32 matches "
+                                       "the default model's Q4_1 blocks; a layer whose input size it does not "
+                                       "divide uses the largest smaller one that does)")
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = doc(
         "auto", "KV-cache storage: auto (the model's dtype), int8 or fp8 (e4m3), each with a float32 scale per "
         "token and head (about 0.27x the bytes of a float32 cache, 0.53x of a 16-bit one; KV transfers ship it "
         "as is)"
+    )
+    device: Literal["cpu", "cuda"] = doc(
+        "cpu", "where the model runs: cpu, or cuda (a CUDA GPU: Triton attention, CUDA graphs for decode steps)"
     )
     block_size: int = doc(16, "tokens per KV-cache block")
     kv_cache_memory_gb: float = doc(2.0, "memory budget for the KV cache, in GiB")
@@ -185,6 +189,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be positive, got {value}")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError("EngineConfig.device: 'cuda' was asked for and this machine has no CUDA GPU "
+                                  "(or this torch build has no CUDA); use cpu")
         from pdserve.engine.spec_decode import SpeculativeConfig
 
         SpeculativeConfig.parse(self.speculative_config)  # refused here, naming the key

@@ -69,7 +69,7 @@ class LLMEngine:
         keep_freed_memory()
         dtype = _DTYPES[config.dtype]
         self.loaded = loaded or load_model(
-            config.model, dtype=dtype, max_positions=config.max_model_len, seed=config.seed,
+            config.model, dtype=dtype, device=config.device, max_positions=config.max_model_len, seed=config.seed,
             progress=config.load_progress, quantization=config.quantization,
             quantization_group_size=config.quantization_group_size,
         )

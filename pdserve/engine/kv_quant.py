@@ -97,7 +97,7 @@ class QuantizedKVAttention(TorchPagedAttention):
         ids = meta.decode_block_ids
         keys = dequantize_keys(k_cache, ids, q.dtype)
         values = dequantize_values(v_cache, ids, q.dtype)
-        local = replace(meta, decode_block_ids=torch.arange(len(ids)))
+        local = replace(meta, decode_block_ids=torch.arange(len(ids), device=ids.device))
         return super().decode(q, keys, values, local)
 
     def prefill(self, q, k, v, k_cache: QuantCache, v_cache: QuantCache, chunk: PrefillChunk) -> torch.Tensor:
@@ -105,5 +105,5 @@ class QuantizedKVAttention(TorchPagedAttention):
             return super().prefill(q, k, v, None, None, chunk)
         keys = dequantize_keys(k_cache, chunk.block_ids, q.dtype)
         values = dequantize_values(v_cache, chunk.block_ids, q.dtype)
-        local = replace(chunk, block_ids=torch.arange(len(chunk.block_ids)))
+        local = replace(chunk, block_ids=torch.arange(len(chunk.block_ids), device=chunk.block_ids.device))
         return super().prefill(q, k, v, keys, values, local)

@@ -91,6 +91,7 @@ def build_model(
                 p.data.normal_(0.0, 0.02)
         for p in model.parameters():
             p.data = p.data.to(dtype)
+        model.rope.to(device)
         return _finish(model)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)

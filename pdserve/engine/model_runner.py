@@ -99,6 +99,8 @@ class ModelRunner:
         if not sampling:
             return out
         logits = self.model.compute_logits(hidden[[row for _, rows in sampling for row in rows]])
+        if logits.device.type != "cpu":  # the sampler (per-request generators, penalties) runs on the CPU
+            logits = logits.float().cpu()
         # One sampler row per logits row; a request verifying proposals has k + 1 of them, each
         # seeing the proposals before it as its output so far (penalties, min_tokens).
         views = [_RowView(item.request, item.spec_token_ids[:i]) if item.num_spec else item.request
@@ -143,7 +145,7 @@ class ModelRunner:
         """Logits at each scheduled item's last row, in ``sched.scheduled`` order (no sampling)."""
         items, hidden, sample_rows = self._forward(sched)
         by_item = {id(item): rows[-1] for item, rows in zip(items, sample_rows)}
-        return self.model.compute_logits(hidden[[by_item[id(item)] for item in sched.scheduled]])
+        return self.model.compute_logits(hidden[[by_item[id(item)] for item in sched.scheduled]]).float().cpu()
 
     def _forward(self, sched: SchedulerOutput):
         # One-token requests first: the attention backend batches them together.

@@ -130,7 +130,8 @@ class DraftProposer:
         from pdserve.engine.model_runner import ModelRunner
 
         self.config = config
-        loaded = load_model(config.model, dtype=target_runner.dtype, max_positions=engine_config.max_model_len,
+        loaded = load_model(config.model, dtype=target_runner.dtype, device=target_runner.device,
+                            max_positions=engine_config.max_model_len,
                             seed=engine_config.seed + 1, progress=engine_config.load_progress)
         if loaded.config.vocab_size != vocab_size:
             raise ConfigError(f"speculative_config.model: the draft's vocabulary has {loaded.config.vocab_size} "

@@ -90,7 +90,9 @@ def checksum(*parts: bytes | memoryview) -> int:
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's bytes, without a copy."""
+    """A tensor's bytes: without a copy for a contiguous CPU tensor (a GPU one is copied to the CPU)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 

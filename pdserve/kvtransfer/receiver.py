@@ -165,5 +165,7 @@ def _copy(dst: torch.Tensor, src) -> None:
     """One block of one layer: ``dst`` a contiguous cache block, ``src`` its flat values."""
     if isinstance(src, torch.Tensor):
         dst.view(-1).copy_(src)
+    elif dst.device.type != "cpu":
+        dst.view(-1).copy_(torch.from_numpy(np.ascontiguousarray(src)))
     else:
         np.copyto(dst.numpy().reshape(-1), src)
