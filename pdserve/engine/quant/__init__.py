@@ -66,9 +66,9 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
     if method == "gguf":
         from pdserve.engine.quant.gguf_native import gguf_linears
 
-        replacements = gguf_linears(gguf_path, len(model.layers))
-        for name, linear in replacements.items():
-            _swap(model, name, linear)
+        device = model.embed_tokens.weight.device
+        for name, linear in gguf_linears(gguf_path, len(model.layers)).items():
+            _swap(model, name, linear.to(device))
         return
 
     def group_of(in_features: int) -> int:
@@ -87,6 +87,7 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
         if calibration_ids is None:
             ids = tokenizer.encode(CALIBRATION_TEXT)
             calibration_ids = torch.tensor(ids, dtype=torch.long) % model.config.vocab_size
+        calibration_ids = calibration_ids.to(model.embed_tokens.weight.device)
         input_scales = apply_awq(model, calibration_ids, group_of)
     for i in range(len(model.layers)):
         for suffix in LAYER_LINEARS:
