@@ -44,8 +44,10 @@ class PoolsConfig:
 class KVTransferConfig:
     backend: Literal["grpc", "torch"] = doc("grpc", "how prefill workers send KV to decode workers: grpc, or torch "
                                                     "(torch.distributed: gloo on CPU, nccl on GPU)")
-    lease_ms: int = doc(10000, "how long a decode worker's reserved blocks wait for their KV before it computes "
-                               "the prompt itself")
+    lease_ms: int = doc(10000, "how long a transfer may take from its first chunk before the decode worker "
+                               "computes the prompt itself")
+    reservation_ttl_ms: int = doc(120000, "how long a decode worker's reserved blocks wait for their transfer to "
+                                          "begin (the prompt may queue on a busy prefill worker)")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class ServeConfig:
             raise ConfigError(f"pools.prefill.replicas: must not be negative, got {self.pools.prefill.replicas}")
         if self.kv_transfer.lease_ms < 1:
             raise ConfigError(f"kv_transfer.lease_ms: must be positive, got {self.kv_transfer.lease_ms}")
+        if self.kv_transfer.reservation_ttl_ms < self.kv_transfer.lease_ms:
+            raise ConfigError(f"kv_transfer.reservation_ttl_ms ({self.kv_transfer.reservation_ttl_ms}) must be at "
+                              f"least kv_transfer.lease_ms ({self.kv_transfer.lease_ms})")
         for key in ("disagg_min_prompt_tokens", "disagg_min_uncached_tokens"):
             if getattr(self.router, key) < 0:
                 raise ConfigError(f"router.{key}: must not be negative, got {getattr(self.router, key)}")

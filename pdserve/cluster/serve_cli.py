@@ -28,6 +28,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     cluster = _serve_config(args, engine=collect_arguments(args, EngineConfig))
     worker_options = {"kv_backend": cluster.kv_transfer.backend, "kv_lease_ms": cluster.kv_transfer.lease_ms,
+                      "kv_reservation_ttl_ms": cluster.kv_transfer.reservation_ttl_ms,
                       **_registration_options(cluster.state_store), **collect_arguments(args, WorkerConfig)}
     worker = from_dict(WorkerConfig, worker_options)
     engine = LLMEngine(cluster.engine)
@@ -129,6 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_options["num_threads"] = max(1, (os.cpu_count() or 1) // (n_decode + n_prefill))
     flags = to_flags({**engine_options, "load_progress": False})
     worker_flags = ["--host", "127.0.0.1", "--port", "0", *flags, "--kv-lease-ms", str(cluster.kv_transfer.lease_ms),
+                    "--kv-reservation-ttl-ms", str(cluster.kv_transfer.reservation_ttl_ms),
                     *to_flags(_registration_options(cluster.state_store))]
     _exit_on_sigterm()
     roles = ["prefill"] * n_prefill + ["decode"] * n_decode
@@ -159,8 +161,8 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how prefill workers send KV to decode workers: grpc, or torch (torch.distributed: gloo "
                              "on CPU, nccl on GPU) (default: grpc)")
     parser.add_argument("--kv-lease-ms", type=int, default=None,
-                        help="how long a decode worker's reserved blocks wait for their KV before computing the "
-                             "prompt itself (default: 10000)")
+                        help="how long a KV transfer may take from its first chunk before the decode worker computes "
+                             "the prompt itself (default: 10000)")
     parser.add_argument("--redis", metavar="URL", default=None, help=REDIS_HELP)
     add_arguments(parser.add_argument_group("router"), RouterConfig)
     add_arguments(parser.add_argument_group("engine (every worker)"), EngineConfig)

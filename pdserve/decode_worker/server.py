@@ -59,7 +59,11 @@ class WorkerConfig:
     worker_id: str = doc("", "name in load snapshots and logs (default: role-host-port)")
     metrics_port: int | None = doc(None, "serve Prometheus metrics over HTTP on this port (default: off)")
     grace_s: float = doc(30.0, "on SIGTERM, how long in-flight requests may take to finish")
-    kv_lease_ms: int = doc(10000, "decode: how long reserved blocks wait for their KV before computing locally")
+    kv_lease_ms: int = doc(10000, "decode: how long a transfer may take from its first chunk before the prompt "
+                                  "is computed here instead")
+    kv_reservation_ttl_ms: int = doc(120000, "decode: how long reserved blocks wait for their transfer to begin "
+                                             "(the prompt may queue on a busy prefill worker) before they are "
+                                             "released")
     kv_backend: Literal["grpc", "torch"] = doc(
         "grpc", "decode: how prefill workers send KV here: grpc, or torch (torch.distributed point-to-point: gloo "
                 "on CPU, nccl on GPU; control messages over gRPC)")
@@ -130,6 +134,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                         request.cache_salt or None, output_token_ids=outputs)
         handle = request.kv_handle
         self._resumed.add(handle)
+        if handle not in self.receiver.handles():  # released before the router came back: never lose it
+            self.metrics.kv_transfers.labels("recomputed").inc()
+            log.warning("request %s: its reservation was released before it resumed; computing the prompt here",
+                        handle)
+            return self.engine.generate(request.request_id, list(request.prompt_token_ids), params,
+                                        request.cache_salt or None, output_token_ids=outputs)
         if request.prefill_here:
             self.receiver.release(handle)
             self.metrics.kv_transfers.labels("prefilled_here").inc()
@@ -183,7 +193,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker {self.worker_id}: no KV blocks free")
         block_ids, cached = got
         lease_s = (request.lease_ms or self.config.kv_lease_ms) / 1000
-        self.receiver.expect(request.request_id, block_ids, cached // self.layout.block_size, lease_s)
+        self.receiver.expect(request.request_id, block_ids, cached // self.layout.block_size, lease_s,
+                             self.config.kv_reservation_ttl_ms / 1000)
         return pb.ReserveResponse(handle=request.request_id, cached_tokens=cached, layout=self.layout.to_proto(pb),
                                   kv_address=self.address, backend=self.config.kv_backend,
                                   backend_info=self.backend_info)

@@ -30,7 +30,8 @@ class Incoming:
     handle: str
     block_ids: list[int]
     skip_blocks: int  # leading blocks already cached here: not sent
-    deadline: float  # time.monotonic()
+    deadline: float  # time.monotonic(): waiting for the transfer to begin, then the lease from its beginning
+    lease_s: float = 10.0
     state: TransferState = TransferState.WAITING
     reason: str | None = None  # why it failed
     error: str | None = None
@@ -53,8 +54,13 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._np_dtype = torch.empty(0, dtype=kv_cache.dtype).numpy().dtype
 
-    def expect(self, handle: str, block_ids: list[int], skip_blocks: int, lease_s: float) -> Incoming:
-        incoming = Incoming(handle, list(block_ids), skip_blocks, time.monotonic() + lease_s)
+    def expect(self, handle: str, block_ids: list[int], skip_blocks: int, lease_s: float,
+               wait_s: float | None = None) -> Incoming:
+        """Reserve ``block_ids`` for ``handle``: they wait ``wait_s`` (default ``lease_s``) for the
+        transfer to begin (the prompt may queue on a busy prefill worker), then ``lease_s`` from
+        its first chunk for it to complete."""
+        wait = lease_s if wait_s is None else max(wait_s, lease_s)
+        incoming = Incoming(handle, list(block_ids), skip_blocks, time.monotonic() + wait, lease_s)
         if incoming.expected_blocks == 0:  # everything was cached here already
             self._finish(incoming, TransferState.DONE)
         with self._lock:
@@ -82,6 +88,7 @@ class KVReceiver:
         if incoming.state is TransferState.WAITING:
             incoming.state = TransferState.TRANSFERRING
             incoming.started = time.monotonic()
+            incoming.deadline = incoming.started + incoming.lease_s  # the lease runs from the first chunk
         return incoming
 
     def chunk(self, handle: str, layer: int, first_block: int, keys, values, crc: int | None) -> None:
@@ -140,11 +147,15 @@ class KVReceiver:
     async def wait(self, handle: str) -> tuple[bool, str | None]:
         """Until the transfer is done, failed, or its lease runs out: (ok, failure reason)."""
         incoming = self.get(handle)
-        remaining = incoming.deadline - time.monotonic()
-        try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(incoming.done)), max(remaining, 0.0))
-        except TimeoutError:
-            self.fail(handle, "lease_expired", f"no complete KV within the lease ({handle})")
+        while not incoming.done.done():
+            remaining = incoming.deadline - time.monotonic()  # moves when the transfer begins
+            if remaining <= 0:
+                self.fail(handle, "lease_expired", f"no complete KV within the lease ({handle})")
+                break
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(incoming.done)), remaining)
+            except TimeoutError:
+                continue
         return incoming.state is TransferState.DONE, incoming.reason
 
     def release(self, handle: str) -> Incoming | None:

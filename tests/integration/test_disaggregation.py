@@ -192,3 +192,20 @@ def test_mismatched_prefill_worker_is_refused_at_the_handshake():
         no_leaks(cluster)
     finally:
         stop_cluster(cluster)
+
+
+def test_a_reservation_released_while_its_prompt_queues_still_completes(colocated_texts):
+    """A prefill worker with a small token budget queues 32 prompts for seconds; the decode
+    worker's reservations wait only 300 ms for their transfer to begin, so most are released
+    before their KV comes. Those requests are computed on the decode worker: same outputs,
+    none lost, counted as recomputed."""
+    cluster = start_cluster(MODEL, decode=1, prefill=1, engine_flags=ENGINE, router_flags=DISAGG,
+                            prefill_flags=["--max-num-batched-tokens", "32"],
+                            decode_flags=["--kv-lease-ms", "300", "--kv-reservation-ttl-ms", "300"])
+    try:
+        assert run_all(cluster.base_url, workload()) == colocated_texts
+        assert cluster.worker_metric(1, 'pdserve_kv_transfers_total{outcome="recomputed"}') >= 1
+        assert cluster.worker_metric(1, 'pdserve_kv_transfer_failures_total{reason="never_resumed"}') >= 1
+        no_leaks(cluster)
+    finally:
+        stop_cluster(cluster)

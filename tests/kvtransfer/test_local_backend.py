@@ -139,3 +139,22 @@ def test_float_and_quantized_workers_refuse_each_other(make_engine):
     with pytest.raises(TransferError, match="dtype: sender 'float32', receiver 'int8'"):
         receiver.begin("x", layout_of(make_engine()))
     decode.abort_request("x")
+
+
+def test_the_lease_runs_from_the_first_chunk(make_engine):
+    """A reservation waits ``wait_s`` for its transfer to begin (a queued prompt), then the
+    lease bounds the transfer from its first chunk."""
+    import asyncio
+    import time
+
+    decode = make_engine()
+    receiver = KVReceiver(decode.runner.kv_cache, layout_of(decode))
+    request = decode.make_request("x", list(range(100, 140)), GREEDY)
+    incoming = receiver.expect("x", decode.reserve_remote_request(request), 0, lease_s=0.2, wait_s=30.0)
+    assert incoming.deadline - time.monotonic() > 20
+    assert receiver.expired(time.monotonic() + 1.0) == []
+    receiver.begin("x", layout_of(decode))
+    assert incoming.deadline - time.monotonic() <= 0.2
+    assert asyncio.run(receiver.wait("x")) == (False, "lease_expired")
+    receiver.release("x")
+    decode.abort_request("x")
