@@ -134,7 +134,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                         request.cache_salt or None, output_token_ids=outputs)
         handle = request.kv_handle
         self._resumed.add(handle)
-        if handle not in self.receiver.handles():  # released before the router came back: never lose it
+        if not self.receiver.has(handle):  # released before the router came back: never lose it
             self.metrics.kv_transfers.labels("recomputed").inc()
             log.warning("request %s: its reservation was released before it resumed; computing the prompt here",
                         handle)

@@ -80,7 +80,9 @@ class LLMEngine:
         self.block_size = config.block_size
         block_bytes = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size
         if config.kv_cache_dtype != "auto":  # one byte per element, plus a float32 scale per token and head
-            block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * config.block_size * (cfg.head_dim + 4)
+            from pdserve.engine.kv_quant import row_width
+
+            block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * row_width(config.block_size, cfg.head_dim)
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // block_bytes)
         if num_blocks < 1:
             raise InvalidRequestError("kv_cache_memory_gb", f"{config.kv_cache_memory_gb} GiB holds no block")

@@ -66,8 +66,7 @@ class Sampler:
 
     def probabilities(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The distribution each (non-greedy) request draws from: penalties, min_tokens,
-        temperature, top-k, top-p and min-p applied (not renormalised after min-p, as a draw
-        does not need it; speculative verification normalises)."""
+        temperature, top-k, top-p and min-p applied, normalised (speculative verification)."""
         logits = logits.float().clone()
         self._apply_penalties(logits, requests)
         self._apply_min_tokens(logits, requests)

@@ -136,7 +136,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_spec = self._spec_slots(request, num_new, budget)
+            num_spec = self._spec_slots(request, budget)
             if not self._allocate_or_preempt(request, num_new + num_spec, out):
                 break  # the request itself was preempted: nothing behind it is left
             out.scheduled.append(self._take(request, num_new, num_spec))
@@ -147,9 +147,9 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _spec_slots(request: Request, num_new: int, budget: int) -> int:
+    def _spec_slots(request: Request, budget: int) -> int:
         """Proposal slots for a decoding request, within the budget and its output limit."""
-        if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1 or not request.num_spec_slots:
+        if request.num_tokens - request.num_computed_tokens != 1 or not request.num_spec_slots:
             return 0
         k = min(request.num_spec_slots, budget - 1)
         if request.max_output_tokens is not None:

@@ -175,6 +175,7 @@ class DraftProposer:
             catch_up.scheduled.append(ScheduledRequest(request, done, target - done, item.block_ids, True))
             self._computed[request.request_id] = (target, request.num_preemptions)
             drafts[request.request_id], probs[request.request_id] = [], []
+        by_request = {id(item.request): item for item in items}
         steps = max(item.num_spec for item in items)
         current = catch_up
         for _ in range(steps):
@@ -185,7 +186,7 @@ class DraftProposer:
                 token, q = self._propose_one(logits[row], request)
                 drafts[request.request_id].append(token)
                 probs[request.request_id].append(q)
-                item = next(i for i in items if i.request is request)
+                item = by_request[id(request)]
                 if len(drafts[request.request_id]) < item.num_spec:
                     position = request.num_tokens + len(drafts[request.request_id]) - 1
                     nxt.scheduled.append(ScheduledRequest(request, position, 1, item.block_ids, True,

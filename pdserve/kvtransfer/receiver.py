@@ -162,6 +162,9 @@ class KVReceiver:
         with self._lock:
             return self._incoming.pop(handle, None)
 
+    def has(self, handle: str) -> bool:
+        return handle in self._incoming
+
     def handles(self) -> set[str]:
         with self._lock:
             return set(self._incoming)
