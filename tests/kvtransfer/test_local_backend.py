@@ -69,7 +69,7 @@ def colocated(engine, ps, params=GREEDY) -> dict[str, list[int]]:
 
 
 def test_disaggregated_equals_colocated(make_engine):
-    ps = prompts(12)
+    ps = prompts(32)  # as many concurrent requests as the multi-process tests
     expected = colocated(make_engine(), ps)
     decode = make_engine()
     colocated(decode, ps[:3])  # warm the decode worker's prefix cache: some blocks need not travel
