@@ -86,7 +86,14 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, owner: str | None = Non
             if _allowed(tp) == (float, int) and isinstance(value, int):
                 value = float(value)
         kwargs[key] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # a section's own check names the key from the section: give the full path
+        leaf = owner.rsplit(".", 1)[-1]
+        message = str(e)
+        if owner != leaf and message.startswith((leaf + ":", leaf + ".")):
+            raise ConfigError(owner + message[len(leaf):]) from e
+        raise
 
 
 def _nested_dataclass(tp: Any) -> type | None:

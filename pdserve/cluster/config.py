@@ -4,9 +4,11 @@ One YAML document whose sections are the components' own config dataclasses::
 
     engine:        EngineConfig   (every worker)
     router:        RouterConfig   (dispatch policy, admission, conditional disaggregation)
-    pools:         prefill/decode replica counts
+    pools:         prefill/decode: replicas, Ray placement (num_cpus, num_gpus, resources), autoscaling
     kv_transfer:   backend and lease
     state_store:   StateStoreConfig (memory, or a shared Redis: worker registry, load, KV events)
+    launcher:      ray (Ray Serve deployments; the default) or processes
+    ray:           RayConfig (the cluster to join or start, the Serve application)
 
 Precedence: built-in defaults, then the file, then command-line flags. Unknown keys, wrong types
 and impossible combinations are refused with a message naming the key
@@ -22,15 +24,60 @@ from typing import Any, Literal
 
 import yaml
 
+from pdserve.cluster.autoscale import AutoscalingConfig
 from pdserve.cluster.state_store import StateStoreConfig
 from pdserve.configs import ConfigError, doc, from_dict
 from pdserve.engine.config import EngineConfig
 from pdserve.router.app import RouterConfig
 
 
+PLACEMENT = ("default", "spread")
+
+
 @dataclass(frozen=True)
 class PoolConfig:
-    replicas: int = doc(1, "worker processes in this pool")
+    replicas: int = doc(1, "workers in this pool (with autoscaling: how many to start with)")
+    num_cpus: float = doc(1.0, "Ray: logical CPUs each replica reserves (its torch threads default to this)")
+    num_gpus: float = doc(0.0, "Ray: GPUs each replica reserves")
+    resources: dict[str, float] = doc(default_factory=dict,
+                                      help="Ray: custom resources each replica needs, naming the node group it "
+                                           "runs on (e.g. {prefill: 1}: only nodes started with that resource)")
+    placement_strategy: Literal["default", "spread"] = doc(
+        "default", "Ray: default (Ray packs replicas where resources are free) or spread (at most one replica "
+                   "of this pool per node)")
+    grace_s: float = doc(30.0, "scale-down and shutdown: how long a replica's in-flight requests may take to "
+                               "finish (it is deregistered first)")
+    autoscaling: AutoscalingConfig | None = doc(None, "Ray: scale this pool between min_replicas and "
+                                                      "max_replicas with pdserve's policy (default: fixed size)")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str = doc("", "the Ray cluster to join (auto, or ray://host:10001); empty: start one on this "
+                           "machine")
+    num_cpus: int | None = doc(None, "local Ray: CPUs to declare (default: this machine's)")
+    num_gpus: int | None = doc(None, "local Ray: GPUs to declare (default: those Ray detects)")
+    resources: dict[str, float] = doc(default_factory=dict,
+                                      help="local Ray: custom resources to declare, e.g. {prefill: 1, decode: 2}")
+    namespace: str = doc("pdserve", "Ray namespace")
+    app_name: str = doc("pdserve", "the Serve application's name")
+    router_replicas: int = doc(1, "Router replicas (each serves the OpenAI API behind Serve's HTTP proxy)")
+    router_num_cpus: float = doc(0.0, "logical CPUs each Router replica reserves")
+    metrics_interval_s: float = doc(1.0, "how often each replica reports its load to Serve's autoscaler")
+
+    def __post_init__(self) -> None:
+        if self.router_replicas < 1:
+            raise ConfigError(f"ray.router_replicas: must be at least 1, got {self.router_replicas}")
+        if self.metrics_interval_s <= 0:
+            raise ConfigError(f"ray.metrics_interval_s: must be positive, got {self.metrics_interval_s}")
+        _check_resources("ray.resources", self.resources)
+
+
+def _check_resources(key: str, resources: dict) -> None:
+    for name, amount in resources.items():
+        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)) \
+                or amount < 0:
+            raise ConfigError(f"{key}.{name}: expected a non-negative number, got {amount!r}")
 
 
 @dataclass(frozen=True)
@@ -38,6 +85,24 @@ class PoolsConfig:
     prefill: PoolConfig = doc(default_factory=lambda: PoolConfig(1),
                               help="prefill workers; replicas 0 serves colocated (decode workers prefill)")
     decode: PoolConfig = doc(default_factory=lambda: PoolConfig(1), help="decode workers (at least one)")
+
+    def __post_init__(self) -> None:
+        for role in ("prefill", "decode"):
+            pool: PoolConfig = getattr(self, role)
+            key = f"pools.{role}"
+            if pool.replicas < 0:
+                raise ConfigError(f"{key}.replicas: must not be negative, got {pool.replicas}")
+            for name in ("num_cpus", "num_gpus", "grace_s"):
+                if getattr(pool, name) < 0:
+                    raise ConfigError(f"{key}.{name}: must not be negative, got {getattr(pool, name)}")
+            _check_resources(f"{key}.resources", pool.resources)
+            a = pool.autoscaling
+            if a is not None and not a.min_replicas <= pool.replicas <= a.max_replicas:
+                raise ConfigError(f"{key}.replicas ({pool.replicas}) must be within {key}.autoscaling's "
+                                  f"min_replicas ({a.min_replicas}) and max_replicas ({a.max_replicas})")
+        if self.decode.replicas < 1 and (self.decode.autoscaling is None or self.decode.autoscaling.min_replicas):
+            raise ConfigError(f"pools.decode.replicas: at least one decode worker is needed, "
+                              f"got {self.decode.replicas}")
 
 
 @dataclass(frozen=True)
@@ -58,13 +123,16 @@ class ServeConfig:
     kv_transfer: KVTransferConfig = doc(default_factory=KVTransferConfig, help="KV transfer between the pools")
     state_store: StateStoreConfig = doc(default_factory=StateStoreConfig,
                                         help="where workers register and routers find them (memory, or redis)")
+    launcher: Literal["ray", "processes"] = doc("ray", "how pdserve serve runs the pools: ray (Ray Serve "
+                                                       "deployments, autoscaled) or processes (plain processes)")
+    ray: RayConfig = doc(default_factory=RayConfig, help="the Ray cluster and Serve application (launcher: ray)")
 
     def __post_init__(self) -> None:
-        if self.pools.decode.replicas < 1:
-            raise ConfigError(f"pools.decode.replicas: at least one decode worker is needed, "
-                              f"got {self.pools.decode.replicas}")
-        if self.pools.prefill.replicas < 0:
-            raise ConfigError(f"pools.prefill.replicas: must not be negative, got {self.pools.prefill.replicas}")
+        if self.launcher == "processes":
+            for role in ("prefill", "decode"):
+                if getattr(self.pools, role).autoscaling is not None:
+                    raise ConfigError(f"pools.{role}.autoscaling: needs launcher: ray (plain processes have no "
+                                      f"autoscaler)")
         if self.kv_transfer.lease_ms < 1:
             raise ConfigError(f"kv_transfer.lease_ms: must be positive, got {self.kv_transfer.lease_ms}")
         if self.kv_transfer.reservation_ttl_ms < self.kv_transfer.lease_ms:

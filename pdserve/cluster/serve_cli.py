@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import signal
+import threading
 
 from pdserve.configs import add_arguments, collect_arguments, from_dict, to_flags
 from pdserve.engine.config import EngineConfig
@@ -96,8 +97,12 @@ def _serve_overrides(args: argparse.Namespace) -> dict:
              if n is not None}
     kv = {k: v for k, v in (("backend", args.kv_backend), ("lease_ms", args.kv_lease_ms)) if v is not None}
     store = {"backend": "redis", "url": args.redis} if args.redis else {}
-    return {"engine": collect_arguments(args, EngineConfig), "router": collect_arguments(args, RouterConfig),
-            "pools": pools, "kv_transfer": kv, "state_store": store}
+    overrides = {"engine": collect_arguments(args, EngineConfig), "router": collect_arguments(args, RouterConfig),
+                 "pools": pools, "kv_transfer": kv, "state_store": store,
+                 "ray": {"address": args.ray_address} if args.ray_address else {}}
+    if args.launcher:
+        overrides["launcher"] = args.launcher
+    return overrides
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -121,9 +126,38 @@ def _exit_on_sigterm() -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    cluster = _serve_config(args, **_serve_overrides(args))  # validated before anything starts
+    if cluster.launcher == "ray":
+        return _serve_on_ray(cluster)
+    return _serve_processes(cluster)
+
+
+def _serve_on_ray(cluster) -> int:
+    """The pools as Ray Serve deployments, the router behind Serve's HTTP proxy; until SIGTERM/SIGINT."""
+    from pdserve.cluster import ray_launcher
+
+    started = ray_launcher.connect(cluster.ray)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        ray_launcher.check_placement(cluster)
+        if not stop.is_set():
+            ray_launcher.run_app(cluster)
+            log.info("serving %s on http://%s:%d (Ray Serve application %r)", cluster.engine.model,
+                     cluster.router.host, cluster.router.port, cluster.ray.app_name)
+            print(f"PDSERVE_READY http://{cluster.router.host}:{cluster.router.port}", flush=True)
+        while not stop.wait(0.5):
+            pass
+        log.info("stopping: the replicas drain (up to grace_s)")
+    finally:
+        ray_launcher.shutdown(cluster, started)
+    return 0
+
+
+def _serve_processes(cluster) -> int:
     from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready
 
-    cluster = _serve_config(args, **_serve_overrides(args))  # validated before anything starts
     n_prefill, n_decode = cluster.pools.prefill.replicas, cluster.pools.decode.replicas
     engine_options = dataclasses.asdict(cluster.engine)
     if cluster.engine.num_threads is None:
@@ -164,6 +198,12 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long a KV transfer may take from its first chunk before the decode worker computes "
                              "the prompt itself (default: 10000)")
     parser.add_argument("--redis", metavar="URL", default=None, help=REDIS_HELP)
+    parser.add_argument("--launcher", choices=["ray", "processes"], default=None,
+                        help="how the pools run: ray (Ray Serve deployments: placement, restarts, autoscaling; "
+                             "a local Ray instance unless --ray-address) or processes (one plain process per "
+                             "worker, fixed counts) (default: ray)")
+    parser.add_argument("--ray-address", metavar="ADDRESS", default=None,
+                        help="join this Ray cluster (auto, or ray://head:10001) instead of starting Ray here")
     add_arguments(parser.add_argument_group("router"), RouterConfig)
     add_arguments(parser.add_argument_group("engine (every worker)"), EngineConfig)
 
@@ -173,10 +213,14 @@ def add_commands(sub) -> None:
     from pdserve.router.app import RouterConfig
 
     serve = sub.add_parser(
-        "serve", help="serve the OpenAI API with workers on this machine",
-        description="Start prefill and decode workers (one process each) and the router in front of them; "
-                    "Ctrl-C or SIGTERM stops them all. Disaggregated by default (one prefill, one decode worker); "
-                    "--prefill 0 serves colocated (decode workers prefill their own prompts).")
+        "serve", help="serve the OpenAI API: the router and the prefill and decode pools",
+        description="Start the prefill and decode pools and the router in front of them; Ctrl-C or SIGTERM "
+                    "stops them all (workers drain first). By default on Ray Serve: a local Ray instance (or the "
+                    "cluster at --ray-address) places each pool per its YAML (num_cpus, num_gpus, resources), "
+                    "restarts failed replicas and autoscales pools that have an autoscaling section. "
+                    "--launcher processes runs one plain process per worker instead. Disaggregated by default "
+                    "(one prefill, one decode worker); --prefill 0 serves colocated (decode workers prefill their "
+                    "own prompts).")
     _add_cluster_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 

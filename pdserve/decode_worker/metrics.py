@@ -7,13 +7,41 @@ is what routing and the network add.
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pdserve.router.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 
+class RecentQuantile:
+    """A quantile over the last ``window_s`` seconds of observations (what the autoscaler reads)."""
+
+    def __init__(self, window_s: float = 30.0, max_samples: int = 4096, clock=time.monotonic):
+        self.window_s = window_s
+        self.clock = clock
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    def observe(self, value: float) -> None:
+        self._samples.append((self.clock(), value))
+
+    def quantile(self, q: float) -> float | None:
+        """None when nothing was observed within the window."""
+        horizon = self.clock() - self.window_s
+        while self._samples and self._samples[0][0] < horizon:
+            self._samples.popleft()
+        if not self._samples:
+            return None
+        values = sorted(v for _, v in self._samples)
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+
 class WorkerMetrics:
     def __init__(self) -> None:
+        # TTFT and TPOT over the last 30 s, in seconds (the autoscaler's SLO signals)
+        self.recent_ttft = RecentQuantile()
+        self.recent_tpot = RecentQuantile()
         self.registry = r = CollectorRegistry()
         self.requests = Counter("pdserve_worker_requests", "Requests finished, by finish reason", ["reason"],
                                 registry=r)

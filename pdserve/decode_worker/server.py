@@ -113,6 +113,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     if first is None:
                         first = now
                         self.metrics.ttft.observe(now - received)
+                        self.metrics.recent_ttft.observe(now - received)
                     else:
                         self.metrics.itl.observe(now - last)
                     last = now
@@ -172,6 +173,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             m.e2e.observe(last - received)
             if out.num_output_tokens > 1 and first is not None and last > first:
                 m.tpot.observe((last - first) / (out.num_output_tokens - 1))
+                m.recent_tpot.observe((last - first) / (out.num_output_tokens - 1))
         if out.spec_steps:
             m.spec_proposed.inc(out.spec_proposed)
             m.spec_accepted.inc(out.spec_accepted)
@@ -299,48 +301,96 @@ def _host_torch_rendezvous(servicer: WorkerServicer, host: str, engine: LLMEngin
     servicer.backend_info = {"store": address}
 
 
+class WorkerServer:
+    """One worker's gRPC server around its engine, started and stopped by whoever hosts it.
+
+    ``serve()`` below runs it as a process until a signal; a Ray Serve replica
+    (``pdserve.cluster.ray_app``) starts it in its constructor and drains it when Serve stops the
+    replica. ``store``: a started state store to register in (default: the Redis of
+    ``config.redis``, or none).
+    """
+
+    def __init__(self, engine: LLMEngine, config: WorkerConfig,
+                 servicer_cls: type[WorkerServicer] = WorkerServicer):
+        self.llm = engine
+        self.config = config
+        self.servicer_cls = servicer_cls
+        self.engine = AsyncEngine(engine)
+        self.servicer: WorkerServicer | None = None
+        self.registration = None
+        self._server = None
+        self._sweeper: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return self.servicer.address
+
+    async def start(self, store=None) -> str:
+        """Serve; returns the gRPC address (host:port)."""
+        config, role = self.config, self.servicer_cls.role
+        self.engine.start()
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", 256 << 20),
+                                          ("grpc.max_receive_message_length", 256 << 20)])
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        worker_id = config.worker_id or f"{role}-{config.host}-{port}-{uuid.uuid4().hex[:4]}"
+        self.servicer = servicer = self.servicer_cls(self.engine, worker_id, config, f"{config.host}:{port}")
+        pb_grpc.add_WorkerServicer_to_server(servicer, server)
+        if config.kv_backend == "torch" and role == "decode":
+            _host_torch_rendezvous(servicer, config.host, self.llm)
+        await server.start()
+        self._server = server
+        self._sweeper = asyncio.create_task(servicer.sweep_expired())
+        if config.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(config.metrics_port, addr=config.host, registry=servicer.metrics.registry)
+        from pdserve.decode_worker.registration import Registration, register
+
+        if store is not None:
+            self.registration = Registration(store, servicer, config.heartbeat_s)
+            await self.registration.start()
+        elif config.redis:
+            self.registration = await register(servicer, config.redis, config.heartbeat_s, config.ttl_s)
+        log.info("%s worker %s serving %s on %s", role, worker_id, self.llm.model_name, self.address)
+        return self.address
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: refuse new requests (and say so in the store at once), let in-flight ones finish
+        for up to ``grace_s`` (default ``config.grace_s``), deregister, stop."""
+        if self.servicer is None:
+            return
+        self.servicer.draining = True
+        if self.registration is not None:
+            try:
+                await self.registration.beat()  # routers see "draining" now, not at the next heartbeat
+            except Exception:
+                log.exception("could not announce the drain in the state store")
+        deadline = time.monotonic() + (self.config.grace_s if grace_s is None else grace_s)
+        while self.engine.num_active and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.engine.num_active:
+            log.warning("worker %s: %d request(s) still running after the grace period; stopping anyway",
+                        self.servicer.worker_id, self.engine.num_active)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self.registration is not None:
+            await self.registration.stop()
+        await self._server.stop(grace=1.0)
+        self.engine.shutdown()
+        log.info("%s worker %s stopped (pid %d)", self.servicer.role, self.servicer.worker_id, os.getpid())
+        self.servicer = None
+
+
 async def serve(engine: LLMEngine, config: WorkerConfig, servicer_cls: type[WorkerServicer] = WorkerServicer) -> None:
     """Serve until SIGTERM/SIGINT, then drain for up to ``grace_s`` and stop."""
     gc.collect()
     gc.freeze()  # the model and the engine live as long as the process: keep them out of full GC passes
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", 256 << 20),
-                                      ("grpc.max_receive_message_length", 256 << 20)])
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    role = servicer_cls.role
-    worker_id = config.worker_id or f"{role}-{config.host}-{port}-{uuid.uuid4().hex[:4]}"
-    servicer = servicer_cls(async_engine, worker_id, config, f"{config.host}:{port}")
-    pb_grpc.add_WorkerServicer_to_server(servicer, server)
-    if config.kv_backend == "torch" and role == "decode":
-        _host_torch_rendezvous(servicer, config.host, engine)
-    await server.start()
-    sweeper = asyncio.create_task(servicer.sweep_expired())
-    if config.metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        start_http_server(config.metrics_port, addr=config.host, registry=servicer.metrics.registry)
-    registration = None
-    if config.redis:
-        from pdserve.decode_worker.registration import register
-
-        registration = await register(servicer, config.redis, config.heartbeat_s, config.ttl_s)
-    log.info("%s worker %s serving %s on %s:%d", role, worker_id, engine.model_name, config.host, port)
-    print(f"PDSERVE_WORKER_READY {config.host}:{port}", flush=True)  # for launchers waiting on stdout
+    server = WorkerServer(engine, config, servicer_cls)
+    address = await server.start()
+    print(f"PDSERVE_WORKER_READY {address}", flush=True)  # for launchers waiting on stdout
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    servicer.draining = True
-    if registration is not None:
-        await registration.beat()  # routers see "draining" now, not at the next heartbeat
-    deadline = time.monotonic() + config.grace_s
-    while async_engine.num_active and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    sweeper.cancel()
-    if registration is not None:
-        await registration.stop()
-    await server.stop(grace=1.0)
-    async_engine.shutdown()
-    log.info("%s worker %s stopped (pid %d)", role, worker_id, os.getpid())
+    await server.stop()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -57,6 +58,7 @@ class PrefillServicer(WorkerServicer):
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
+        received = time.perf_counter()
         dest = request.destination
         problem = KVLayout.from_proto(dest.layout).mismatch(self.layout)  # the destination receives
         if problem:
@@ -78,6 +80,7 @@ class PrefillServicer(WorkerServicer):
             async for out in stream:
                 if out.finished:
                     self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
+                    self.metrics.recent_ttft.observe(time.perf_counter() - received)  # the prompt's own part
                     yield pb.PrefillResponse(first=convert.output_to_proto(out))
             ok, error = await asyncio.wrap_future(session.done)
             self.metrics.kv_sent.labels("ok" if ok else "failed").inc()

@@ -62,7 +62,7 @@ class RouterConfig:
 
 class Router:
     def __init__(self, config: RouterConfig, pool: WorkerPool, tokenizer: ModelTokenizer, model_spec: str,
-                 discovery: StoreDiscovery | None = None):
+                 discovery: StoreDiscovery | None = None, waker=None):
         self.config = config
         self.pool = pool
         self.discovery = discovery  # workers joining and leaving through the state store
@@ -71,7 +71,7 @@ class Router:
         self.metrics = RouterMetrics()
         disaggregation = DisaggregationConfig(config.disagg_min_prompt_tokens, config.disagg_min_uncached_tokens)
         self.dispatcher = Dispatcher(pool, POLICIES[config.policy](), least_queued_prefill, disaggregation,
-                                     self.metrics)
+                                     self.metrics, waker=waker)
         self.inflight = 0
 
     @property

@@ -50,8 +50,11 @@ log = logging.getLogger(__name__)
 
 class Dispatcher:
     def __init__(self, pool: WorkerPool, decode_policy: Policy, prefill_policy: Policy,
-                 disaggregation: DisaggregationConfig, metrics: RouterMetrics, max_migrations: int = 3):
+                 disaggregation: DisaggregationConfig, metrics: RouterMetrics, max_migrations: int = 3,
+                 waker=None):
         self.pool = pool
+        # Scale from zero (cluster/ray_app.py PoolWaker): asked to start a worker of a pool that has none
+        self.waker = waker
         self.decode_policy = decode_policy
         self.prefill_policy = prefill_policy
         self.disaggregation = disaggregation
@@ -86,6 +89,8 @@ class Dispatcher:
     def _first_leg(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         prompt = len(request.prompt_token_ids)
         if not self.pool.healthy("prefill"):
+            if self.waker is not None and prompt >= self.disaggregation.min_prompt_tokens:
+                self.waker.wake("prefill")  # prefilled here meanwhile
             self.metrics.prefill_decisions.labels("local_no_prefill_worker").inc()
             return self._colocated(request)
         if prompt < self.disaggregation.min_prompt_tokens:
@@ -97,6 +102,8 @@ class Dispatcher:
 
     async def _colocated(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         tried: set[str] = set()
+        if not self.pool.healthy("decode") and self.waker is not None and self.waker.can_wake("decode"):
+            await self._cold_start("decode")
         while True:
             worker = self._pick("decode", self.decode_policy, tried)
             started = False
@@ -111,6 +118,14 @@ class Dispatcher:
                 self.metrics.retries.inc()
                 log.warning("request %s: worker %s failed before streaming (%s); retrying elsewhere",
                             request.request_id, worker.worker_id, e)
+
+    async def _cold_start(self, role: str) -> None:
+        """Wake a pool at zero replicas and wait for a worker to join, up to its cold-start bound."""
+        self.waker.wake(role)
+        self.metrics.cold_starts.labels(role).inc()
+        deadline = asyncio.get_running_loop().time() + self.waker.timeouts[role]
+        while not self.pool.healthy(role) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
 
     async def _generate(self, worker: WorkerHandle, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         """A worker's Generate stream; its failures become ``_Retry`` (bad input stays an error)."""

@@ -48,6 +48,8 @@ class RouterMetrics:
                               "prefill_refused, no_prefill_worker, decode_worker_lost)", ["reason"], registry=r)
         self.migrations = Counter("pdserve_router_migrations", "Requests continued on another decode worker after "
                                   "tokens had streamed", registry=r)
+        self.cold_starts = Counter("pdserve_router_cold_starts", "Requests that found a pool at zero workers and "
+                                   "woke it (autoscaling min_replicas 0)", ["pool"], registry=r)
         self.workers_healthy = Gauge("pdserve_router_workers_healthy", "Workers in rotation", registry=r)
         self.worker_running = Gauge("pdserve_worker_num_running", "Running requests (worker snapshot)",
                                     ["worker"], registry=r)

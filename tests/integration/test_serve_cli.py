@@ -36,8 +36,9 @@ def alive(pid: int) -> bool:
 
 def start_serve(*flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "serve", "--port",
-                             str(port), "--model", "random:tiny", "--num-kv-blocks", "64", *flags])
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "serve",
+                             "--launcher", "processes", "--port", str(port), "--model", "random:tiny",
+                             "--num-kv-blocks", "64", *flags])
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -1,0 +1,456 @@
+"""pdserve on Ray Serve: the router and each worker pool as deployments of one application.
+
+    Router          the OpenAI API behind Serve's HTTP proxy; finds its workers in the state store
+    PrefillWorker   a replica is one prefill worker: its engine and its gRPC server
+    DecodeWorker    a replica is one decode worker
+    StateStore      the in-memory state store, when ``state_store.backend`` is memory (else Redis)
+
+Ray places the replicas (``pools.<role>``: num_cpus, num_gpus, custom resources, spread),
+restarts the ones that fail and actuates autoscaling; gRPC carries the data, as between plain
+processes. A replica starts a ``WorkerServer`` and registers it in the state store; the router
+discovers it there (router/discovery.py) exactly as it discovers a plain ``pdserve worker
+--redis``, so it cannot tell the two apart. Stopping a replica (scale-down, redeploy, shutdown)
+drains it: deregistered first, in-flight requests finish within ``grace_s``.
+
+Autoscaling: each worker deployment has Serve's ``AutoscalingPolicy`` pointing at
+``PoolAutoscalingPolicy``, which turns what the replicas report from
+``record_autoscaling_stats()`` into ``PoolSignals`` and asks the pure ``PoolPolicy``
+(cluster/autoscale.py) for the replica count. Serve's own delays are set to zero: our policy's
+windows are the stabilisation. Every decision that changes the target is logged with its
+inputs; desired and actual replicas per pool are Ray metrics (``ray_pdserve_autoscaler_*``).
+
+``build_app(args)`` is the application builder: ``pdserve serve`` calls it, and a Serve config
+file names it (``import_path: pdserve.cluster.ray_app:build_app``, ``args: {cluster: {...}}``,
+the cluster YAML under ``cluster``). Ray is imported here and nowhere else in pdserve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+from ray import serve
+from ray.serve.config import AutoscalingContext
+
+from pdserve.cluster.autoscale import AutoscalingConfig, PoolPolicy, PoolSignals
+from pdserve.cluster.state_store import KVEventBatch, KVEventRecord, WorkerRecord
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+DEPLOYMENTS = {"prefill": "PrefillWorker", "decode": "DecodeWorker"}
+POLICY_PATH = "pdserve.cluster.ray_app:PoolAutoscalingPolicy"
+STATS = ("queued_prompt_tokens", "running_requests", "kv_usage", "ttft_p90_ms", "tpot_p90_ms")
+
+
+def _config(cluster: dict):
+    from pdserve.cluster.config import ServeConfig
+    from pdserve.configs import from_dict
+
+    return from_dict(ServeConfig, cluster, owner="config")
+
+
+# ---- the autoscaling policy, in Serve's controller ------------------------------------------------
+
+
+def signals_from_context(ctx: AutoscalingContext) -> PoolSignals:
+    """The pool's signals from what its replicas reported (each averaged over Serve's look-back)."""
+    metrics = ctx.aggregated_metrics or {}
+
+    def total(name: str) -> float:
+        return sum(metrics.get(name, {}).values())
+
+    def worst(name: str) -> float | None:
+        values = [v for v in metrics.get(name, {}).values() if v > 0]  # 0: no request in the window
+        return max(values) if values else None
+
+    reporting = max(len(metrics.get("running_requests", {})), 1)
+    return PoolSignals(
+        # What the policy's decisions are relative to: the replicas already asked for (some may still
+        # be starting). Against the running ones, a scale-up would be undone while its replica starts.
+        replicas=ctx.target_num_replicas,
+        queued_prompt_tokens=round(total("queued_prompt_tokens")),
+        running_requests=round(total("running_requests")),
+        kv_usage=total("kv_usage") / reporting,
+        ttft_p90_ms=worst("ttft_p90_ms"),
+        tpot_p90_ms=worst("tpot_p90_ms"),
+        waiting_for_replica=ctx.total_num_requests if ctx.current_num_replicas == 0 else 0,
+    )
+
+
+class PoolAutoscalingPolicy:
+    """Serve's policy callable for one pool: ``PoolPolicy`` behind Serve's ``AutoscalingContext``.
+
+    Serve makes one per deployment with the manifest's ``policy_kwargs`` (``role`` and the keys of
+    ``AutoscalingConfig``) and calls it every control-loop tick.
+    """
+
+    def __init__(self, role: str, **config: Any):
+        from pdserve.configs import from_dict
+
+        if role not in ROLES:
+            raise ValueError(f"policy_kwargs.role: expected prefill or decode, got {role!r}")
+        self.role = role
+        self.policy = PoolPolicy(role, from_dict(AutoscalingConfig, config, owner=f"pools.{role}.autoscaling"))
+        self.last: tuple[int, int] | None = None  # (current, desired) last logged
+        self._gauges = None
+
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict]:
+        signals = signals_from_context(ctx)
+        decision = self.policy.decide(signals, time.monotonic())
+        if decision.desired != ctx.target_num_replicas or self.last is None:
+            log.info("autoscaler %s: %d -> %d replicas (%s; raw %d) signals %s", self.role,
+                     ctx.current_num_replicas, decision.desired, decision.reason, decision.raw,
+                     dataclasses.asdict(signals))
+        self.last = (ctx.current_num_replicas, decision.desired)
+        self._export(decision.desired, ctx.current_num_replicas)
+        return decision.desired, ctx.policy_state
+
+    def _export(self, desired: int, current: int) -> None:
+        if self._gauges is None:
+            self._gauges = _gauges()
+        if self._gauges:
+            self._gauges[0].set(desired, tags={"pool": self.role})
+            self._gauges[1].set(current, tags={"pool": self.role})
+
+
+def _gauges() -> tuple:
+    """Ray metrics (exported with a ``ray_`` prefix by each node's metrics agent); none outside Ray."""
+    import ray
+
+    if not ray.is_initialized():
+        return ()
+    from ray.util.metrics import Gauge
+
+    return (Gauge("pdserve_autoscaler_desired_replicas", "replicas the pool's policy asks for", ("pool",)),
+            Gauge("pdserve_autoscaler_replicas", "replicas of the pool running", ("pool",)))
+
+
+# ---- the deployments' options, from the cluster YAML ----------------------------------------------
+
+
+def _metric_push_env(interval_s: float) -> dict[str, str]:
+    """How often replicas (their load) and handles (requests waiting for a pool at zero) report to
+    Serve's controller; Ray's default, 10 s, would be most of a scaling window."""
+    return {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": str(interval_s),
+            "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": str(interval_s)}
+
+
+def deployment_options(config, role: str) -> dict[str, Any]:
+    """``Deployment.options(...)`` for a pool: placement, size or autoscaling, drain time. Pure."""
+    pool = getattr(config.pools, role)
+    interval = config.ray.metrics_interval_s
+    actor: dict[str, Any] = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus,
+                             "runtime_env": {"env_vars": _metric_push_env(interval)}}
+    if pool.resources:
+        actor["resources"] = dict(pool.resources)
+    options: dict[str, Any] = {
+        "name": DEPLOYMENTS[role],
+        "ray_actor_options": actor,
+        # Serve waits for this long after calling the replica's __del__ (the drain) before killing it.
+        "graceful_shutdown_timeout_s": pool.grace_s + 15.0,
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "health_check_period_s": 2.0,
+        "health_check_timeout_s": 10.0,
+        "max_ongoing_requests": 64,  # Serve-handle calls only (wake, info, stats); requests go over gRPC
+    }
+    if pool.placement_strategy == "spread":
+        options["max_replicas_per_node"] = 1
+    a = pool.autoscaling
+    if a is None:
+        options["num_replicas"] = pool.replicas
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": a.min_replicas, "max_replicas": a.max_replicas, "initial_replicas": pool.replicas,
+            "upscale_delay_s": 0.0, "downscale_delay_s": 0.0,  # our windows stabilise; Serve's would add to them
+            # Serve averages each replica's reports over look_back_period_s (deprecated as it is,
+            # metrics_interval_s is still what Serve checks the look-back against)
+            "look_back_period_s": 2 * interval, "metrics_interval_s": interval,
+            "policy": {"policy_function": POLICY_PATH,
+                       "policy_kwargs": {"role": role, **dataclasses.asdict(a)}},
+        }
+    return options
+
+
+# ---- the state store, for the in-memory backend ---------------------------------------------------
+
+
+@serve.deployment(name="StateStore", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  max_ongoing_requests=1000)
+class StateStoreDeployment:
+    """The memory backend for every replica of the application (one replica; a restart empties it,
+    and the workers' next heartbeats fill it again)."""
+
+    def __init__(self, store_config: dict):
+        from pdserve.cluster.state_store import MemoryStateStore, StateStoreConfig
+        from pdserve.configs import from_dict
+
+        self.store = MemoryStateStore(from_dict(StateStoreConfig, store_config))
+
+    async def heartbeat(self, record: WorkerRecord) -> None:
+        await self.store.heartbeat(record)
+
+    async def deregister(self, worker_id: str) -> None:
+        await self.store.deregister(worker_id)
+
+    async def workers(self) -> list[WorkerRecord]:
+        return await self.store.workers()
+
+    async def publish_kv_events(self, events: list[KVEventRecord]) -> None:
+        await self.store.publish_kv_events(events)
+
+    async def read_kv_events(self, cursor: str = "", count: int = 1000) -> KVEventBatch:
+        return await self.store.read_kv_events(cursor, count)
+
+
+class RayStateStore:
+    """A ``StateStore`` client of the StateStore deployment. Like the Redis one, an unreachable
+    store (its replica restarting) answers the last known workers and drops writes, warning once."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self._last: list[WorkerRecord] = []
+        self._down = False
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def _call(self, method: str, *args, default=None):
+        try:
+            result = await getattr(self.handle, method).remote(*args)
+        except Exception as e:
+            if not self._down:
+                log.warning("state store unreachable (%s: %s); using the last known state", type(e).__name__, e)
+                self._down = True
+            return default
+        if self._down:
+            log.info("state store reachable again")
+            self._down = False
+        return result
+
+    async def heartbeat(self, record: WorkerRecord) -> None:
+        await self._call("heartbeat", record)
+
+    async def deregister(self, worker_id: str) -> None:
+        await self._call("deregister", worker_id)
+
+    async def workers(self) -> list[WorkerRecord]:
+        result = await self._call("workers", default=None)
+        if result is not None:
+            self._last = result
+        return self._last
+
+    async def publish_kv_events(self, events: list[KVEventRecord]) -> None:
+        if events:
+            await self._call("publish_kv_events", events)
+
+    async def read_kv_events(self, cursor: str = "", count: int = 1000) -> KVEventBatch:
+        return await self._call("read_kv_events", cursor, count, default=KVEventBatch([], cursor))
+
+
+def _store_client(config, store_handle):
+    """The state store a replica talks to: the StateStore deployment, or Redis."""
+    if store_handle is not None:
+        return RayStateStore(store_handle)
+    from pdserve.cluster.state_store import make_state_store
+
+    return make_state_store(config.state_store)
+
+
+# ---- the worker pools -----------------------------------------------------------------------------
+
+
+class _PoolWorker:
+    """A replica hosting one worker: engine, gRPC server, registration; drained when Serve stops it."""
+
+    role = "decode"
+
+    async def __init__(self, cluster: dict, store=None):
+        import ray
+
+        from pdserve.decode_worker.server import WorkerConfig, WorkerServer
+        from pdserve.engine.engine import LLMEngine
+
+        config = _config(cluster)
+        pool = getattr(config.pools, self.role)
+        engine_config = config.engine
+        if engine_config.num_threads is None:  # the CPUs Ray reserved for this replica
+            engine_config = dataclasses.replace(engine_config, num_threads=max(1, int(pool.num_cpus)))
+        engine_config = dataclasses.replace(engine_config, load_progress=False)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        store_config = config.state_store
+        worker = WorkerConfig(
+            host=ray.util.get_node_ip_address(), port=0, grace_s=pool.grace_s,
+            worker_id=f"{self.role}-{self.replica}", kv_backend=config.kv_transfer.backend,
+            kv_lease_ms=config.kv_transfer.lease_ms, kv_reservation_ttl_ms=config.kv_transfer.reservation_ttl_ms,
+            heartbeat_s=store_config.heartbeat_s, ttl_s=store_config.ttl_s)
+        loop = asyncio.get_running_loop()
+        engine = await loop.run_in_executor(None, LLMEngine, engine_config)
+        self.server = WorkerServer(engine, worker, self._servicer_cls())
+        await self.server.start(_store_client(config, store))
+        log.info("%s replica %s on node %s: worker %s at %s", self.role, self.replica, self.node_id,
+                 worker.worker_id, self.server.address)
+
+    def _servicer_cls(self):
+        from pdserve.decode_worker.server import WorkerServicer
+
+        return WorkerServicer
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """This worker's load for the pool's policy (Serve averages it over its look-back period)."""
+        servicer = self.server.servicer
+        if servicer is None:  # draining: stopped
+            return {name: 0.0 for name in STATS}
+        s = servicer.snapshot()
+        ttft = servicer.metrics.recent_ttft.quantile(0.9)
+        tpot = servicer.metrics.recent_tpot.quantile(0.9)
+        return {"queued_prompt_tokens": float(s.waiting_prompt_tokens),
+                "running_requests": float(s.num_running + s.num_waiting),
+                "kv_usage": float(s.kv_usage),
+                "ttft_p90_ms": 1000.0 * ttft if ttft is not None else 0.0,
+                "tpot_p90_ms": 1000.0 * tpot if tpot is not None else 0.0}
+
+    async def info(self) -> dict[str, Any]:
+        """Where this replica runs and serves (tests, ``pdserve`` tools)."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"worker_id": self.server.servicer.worker_id, "address": self.server.address,
+                "node_id": self.node_id, "replica": self.replica, "pid": os.getpid(),
+                "resources": {k: v for k, v in ctx.get_assigned_resources().items()}}
+
+    async def wake(self) -> bool:
+        """A no-op call: the router sends one when the pool has no replica, which Serve counts as a
+        waiting request and answers by starting one (scale from zero)."""
+        return True
+
+    def check_health(self) -> None:
+        if self.server.servicer is None:
+            raise RuntimeError(f"{self.role} worker stopped")
+        if self.server.engine.error is not None:
+            raise RuntimeError(f"{self.role} worker's engine loop stopped: {self.server.engine.error!r}")
+
+    async def __del__(self):
+        """Serve stops this replica (scale-down, redeploy, shutdown): drain, then stop."""
+        server = getattr(self, "server", None)
+        if server is not None:
+            await server.stop()
+
+
+@serve.deployment(name="DecodeWorker")
+class DecodeWorker(_PoolWorker):
+    role = "decode"
+
+
+@serve.deployment(name="PrefillWorker")
+class PrefillWorker(_PoolWorker):
+    role = "prefill"
+
+    def _servicer_cls(self):
+        from pdserve.prefill_worker.server import PrefillServicer
+
+        return PrefillServicer
+
+
+# ---- the router -----------------------------------------------------------------------------------
+
+
+@serve.ingress()
+class _RouterIngress:
+    """The OpenAI API: pdserve's Router (its FastAPI app) with the workers the state store lists."""
+
+    def __init__(self, cluster: dict, store=None, prefill=None, decode=None):
+        from pdserve.engine.tokenizer import load_tokenizer
+        from pdserve.router.app import Router
+        from pdserve.router.discovery import StoreDiscovery
+        from pdserve.router.pool import WorkerPool
+
+        config = _config(cluster)
+        rc = config.router
+        pool = WorkerPool([], poll_interval_s=rc.poll_interval_s)
+        discovery = StoreDiscovery(pool, _store_client(config, store), rc.poll_interval_s, config.state_store.ttl_s)
+        waker = PoolWaker(config, {"prefill": prefill, "decode": decode})
+        self.router = Router(config.router, pool, load_tokenizer(config.engine.model), config.engine.model, discovery,
+                             waker=waker)
+
+    def __serve_build_asgi_app__(self):
+        return self.router.create_app()
+
+
+RouterDeployment = serve.deployment(name="Router")(_RouterIngress)
+
+
+class PoolWaker:
+    """Scale from zero: the router calls ``wake(role)`` when a pool has no worker in rotation.
+
+    A pool that may be at zero (``autoscaling.min_replicas: 0``) gets a ``wake`` call on its
+    deployment, which Serve counts as a waiting request and answers by starting a replica; the
+    router then waits for a worker of that role to join, up to ``cold_start_timeout_s``
+    (decode), or serves colocated meanwhile (prefill: ``wait`` false).
+    """
+
+    def __init__(self, config, handles: dict):
+        self.handles = {}
+        self.timeouts = {}
+        for role, handle in handles.items():
+            a = getattr(config.pools, role).autoscaling
+            if handle is not None and a is not None and a.min_replicas == 0:
+                self.handles[role] = handle
+                self.timeouts[role] = a.cold_start_timeout_s
+        self._pending: dict[str, asyncio.Task] = {}
+
+    def can_wake(self, role: str) -> bool:
+        return role in self.handles
+
+    def wake(self, role: str) -> asyncio.Task | None:
+        if role not in self.handles:
+            return None
+        task = self._pending.get(role)
+        if task is None or task.done():
+            log.info("no %s worker in rotation: waking the pool", role)
+            task = asyncio.create_task(self._wake(role))
+            self._pending[role] = task
+        return task
+
+    async def _wake(self, role: str) -> None:
+        try:
+            await asyncio.wait_for(self.handles[role].wake.remote(), self.timeouts[role])
+        except Exception as e:
+            log.warning("waking the %s pool failed: %s: %s", role, type(e).__name__, e)
+
+
+# ---- the application ------------------------------------------------------------------------------
+
+
+def build_app(args: dict):
+    """The Serve application: ``args = {"cluster": <the cluster YAML as a mapping>}``."""
+    unknown = set(args) - {"cluster"}
+    if unknown:
+        from pdserve.configs import ConfigError
+
+        raise ConfigError(f"args: unknown key(s) {sorted(unknown)}; expected cluster")
+    cluster = args.get("cluster") or {}
+    config = _config(cluster)  # refused here, naming the key, before anything is deployed
+    cluster = dataclasses.asdict(config)
+    store = None
+    if config.state_store.backend == "memory":
+        store = StateStoreDeployment.bind(cluster["state_store"])
+    handles: dict[str, Any] = {}
+    for role, cls in (("prefill", PrefillWorker), ("decode", DecodeWorker)):
+        pool = getattr(config.pools, role)
+        if pool.replicas > 0 or pool.autoscaling is not None:
+            handles[role] = cls.options(**deployment_options(config, role)).bind(cluster, store)
+    router = RouterDeployment.options(num_replicas=config.ray.router_replicas,
+                            ray_actor_options={"num_cpus": config.ray.router_num_cpus, "runtime_env": {
+                                "env_vars": _metric_push_env(config.ray.metrics_interval_s)}},
+                            max_ongoing_requests=config.router.max_concurrent_requests + 64,
+                            graceful_shutdown_timeout_s=30.0)
+    return router.bind(cluster, store, handles.get("prefill"), handles.get("decode"))
