@@ -31,9 +31,6 @@ from pdserve.engine.config import EngineConfig
 from pdserve.router.app import RouterConfig
 
 
-PLACEMENT = ("default", "spread")
-
-
 @dataclass(frozen=True)
 class PoolConfig:
     replicas: int = doc(1, "workers in this pool (with autoscaling: how many to start with)")
