@@ -114,8 +114,8 @@ class PoolPolicy:
         raw, reason = self.recommend(s)
         self._history.append((now, raw))
         horizon = now - max(c.upscale_window_s, c.downscale_window_s)
-        while self._history and self._history[0][0] < horizon:
-            self._history.popleft()
+        while len(self._history) > 1 and self._history[1][0] <= horizon:  # keep one at or past the horizon:
+            self._history.popleft()  # with ticks that do not land on it, the span still reaches the window
         current = s.replicas
         if current == 0 and s.waiting_for_replica:  # cold start: no window
             desired, reason = max(1, c.min_replicas), "cold_start"

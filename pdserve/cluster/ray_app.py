@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
 DEPLOYMENTS = {"prefill": "PrefillWorker", "decode": "DecodeWorker"}
 POLICY_PATH = "pdserve.cluster.ray_app:PoolAutoscalingPolicy"
+HOLD_LOG_INTERVAL_S = 5.0
 STATS = ("queued_prompt_tokens", "running_requests", "kv_usage", "ttft_p90_ms", "tpot_p90_ms")
 
 
@@ -96,17 +97,24 @@ class PoolAutoscalingPolicy:
             raise ValueError(f"policy_kwargs.role: expected prefill or decode, got {role!r}")
         self.role = role
         self.policy = PoolPolicy(role, from_dict(AutoscalingConfig, config, owner=f"pools.{role}.autoscaling"))
-        self.last: tuple[int, int] | None = None  # (current, desired) last logged
+        self.last_reason: str | None = None
+        self._last_logged = -HOLD_LOG_INTERVAL_S
+        # In Serve's controller only Serve's own logger is set up: log there (the controller's log file)
+        self.log = logging.getLogger("ray.serve").getChild(f"pdserve.autoscaler.{role}")
         self._gauges = None
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict]:
         signals = signals_from_context(ctx)
-        decision = self.policy.decide(signals, time.monotonic())
-        if decision.desired != ctx.target_num_replicas or self.last is None:
-            log.info("autoscaler %s: %d -> %d replicas (%s; raw %d) signals %s", self.role,
-                     ctx.current_num_replicas, decision.desired, decision.reason, decision.raw,
-                     dataclasses.asdict(signals))
-        self.last = (ctx.current_num_replicas, decision.desired)
+        now = time.monotonic()
+        decision = self.policy.decide(signals, now)
+        moved = decision.desired != ctx.target_num_replicas
+        turned = decision.reason != self.last_reason and now - self._last_logged >= HOLD_LOG_INTERVAL_S
+        if moved or turned:  # every move; a hold when its reason changes, at most every few seconds
+            self._last_logged = now
+            self.log.info("autoscaler %s: %d -> %d replicas (%s; raw %d; %d running) signals %s", self.role,
+                          ctx.target_num_replicas, decision.desired, decision.reason, decision.raw,
+                          ctx.current_num_replicas, dataclasses.asdict(signals))
+        self.last_reason = decision.reason
         self._export(decision.desired, ctx.current_num_replicas)
         return decision.desired, ctx.policy_state
 

@@ -102,3 +102,14 @@ def test_bad_policies_are_refused_naming_the_key(options, message):
     with pytest.raises(ConfigError) as info:
         AutoscalingConfig(**options)
     assert message in str(info.value)
+
+
+def test_ticks_that_never_land_on_the_window_still_scale_down():
+    """Serve calls the policy every ~0.1 s at float times: the window must still count as covered."""
+    policy = PoolPolicy("decode", AutoscalingConfig(min_replicas=1, max_replicas=2, upscale_window_s=2,
+                                                    downscale_window_s=6))
+    replicas, now = 2, 0.037
+    while now < 10 and replicas == 2:
+        replicas = policy.decide(PoolSignals(replicas=replicas), now).desired
+        now += 0.1003
+    assert replicas == 1 and 6 <= now < 6.5

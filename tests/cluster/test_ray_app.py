@@ -93,7 +93,7 @@ def test_the_policy_adapter_decides_logs_and_exports(monkeypatch, caplog):
     monkeypatch.setattr(ray_app.time, "monotonic", lambda: float(next(clock)))
     policy = PoolAutoscalingPolicy("decode", min_replicas=1, max_replicas=3, target_running_requests=4,
                                    upscale_window_s=2, downscale_window_s=4)
-    caplog.set_level(logging.INFO, logger="pdserve.cluster.ray_app")
+    caplog.set_level(logging.INFO, logger="ray.serve.pdserve.autoscaler.decode")
     decisions, target = [], 1
     for _ in range(4):  # Serve's target follows the decisions; the running replica count lags behind
         target = policy(ctx(1, {"running_requests": [12], "kv_usage": [0.1]}, target=target))[0]
