@@ -45,6 +45,8 @@ ROLES = ("prefill", "decode")
 DEPLOYMENTS = {"prefill": "PrefillWorker", "decode": "DecodeWorker"}
 POLICY_PATH = "pdserve.cluster.ray_app:PoolAutoscalingPolicy"
 HOLD_LOG_INTERVAL_S = 5.0
+# Ray metrics: each node's metrics agent exports them as ray_<name>{pool=...}
+AUTOSCALER_GAUGES = ("pdserve_autoscaler_desired_replicas", "pdserve_autoscaler_replicas")
 STATS = ("queued_prompt_tokens", "running_requests", "kv_usage", "ttft_p90_ms", "tpot_p90_ms")
 
 
@@ -134,8 +136,9 @@ def _gauges() -> tuple:
         return ()
     from ray.util.metrics import Gauge
 
-    return (Gauge("pdserve_autoscaler_desired_replicas", "replicas the pool's policy asks for", ("pool",)),
-            Gauge("pdserve_autoscaler_replicas", "replicas of the pool running", ("pool",)))
+    desired, actual = AUTOSCALER_GAUGES
+    return (Gauge(desired, "replicas the pool's policy asks for", ("pool",)),
+            Gauge(actual, "replicas of the pool running", ("pool",)))
 
 
 # ---- the deployments' options, from the cluster YAML ----------------------------------------------
@@ -289,8 +292,9 @@ class _PoolWorker:
         config = _config(cluster)
         pool = getattr(config.pools, self.role)
         engine_config = config.engine
-        if engine_config.num_threads is None:  # the CPUs Ray reserved for this replica
-            engine_config = dataclasses.replace(engine_config, num_threads=max(1, int(pool.num_cpus)))
+        if engine_config.num_threads is None and pool.num_cpus >= 1:  # the CPUs Ray reserved for this replica
+            engine_config = dataclasses.replace(engine_config, num_threads=int(pool.num_cpus))
+        # (num_cpus 0, as on KubeRay where a pod hosts one replica: torch's default, or OMP_NUM_THREADS)
         engine_config = dataclasses.replace(engine_config, load_progress=False)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.replica = serve.get_replica_context().replica_id.unique_id

@@ -274,6 +274,12 @@ def check_serve_config(config: dict, groups: dict) -> None:
         # The Serve replicas and the pods that host them have the same bounds.
         assert (auto["min_replicas"], auto["max_replicas"]) == (policy.min_replicas, policy.max_replicas)
         assert (group["minReplicas"], group["maxReplicas"]) == (policy.min_replicas, policy.max_replicas)
+        # The application's own config says the same (its defaults; the router's scale-from-zero reads it).
+        pool = load_serve_config(None, app["args"]["cluster"]).pools
+        assert getattr(pool, role).autoscaling == policy and getattr(pool, role).resources == {role: 1}
+        # Serve's own delays (defaults 30 s up, 600 s down) would stack on the policy's windows.
+        assert auto.get("upscale_delay_s") == 0 and auto.get("downscale_delay_s") == 0, f"{role}: Serve delays"
+        assert auto["look_back_period_s"] <= policy.upscale_window_s
     # Routers need a CPU; only the head advertises any, so they run there.
     assert deployments["Router"]["ray_actor_options"]["num_cpus"] >= 1
     for role in ("prefill", "decode"):
@@ -511,7 +517,10 @@ def defined_metric_names() -> set[str]:
     return names
 
 
-AUTOSCALER_METRICS = {"pdserve_autoscaler_desired_replicas", "pdserve_autoscaler_replicas"}
+def autoscaler_metrics() -> set[str]:
+    """The autoscaler's Ray gauges, as Ray's metrics agent exports them (ray_ prefix)."""
+    ray_app = pytest.importorskip("pdserve.cluster.ray_app")
+    return {f"ray_{name}" for name in ray_app.AUTOSCALER_GAUGES}
 
 
 def dashboard_exprs(dashboard: dict) -> list[str]:
@@ -531,14 +540,14 @@ def test_dashboard_panels_and_metrics():
     for needed in ("time to first token", "time per output token", "requests per second", "tokens per second",
                    "queue depth", "kv-cache use", "kv transfer time", "desired vs actual"):
         assert needed in titles, f"no panel for {needed}"
-    known = defined_metric_names() | AUTOSCALER_METRICS
+    known = defined_metric_names() | autoscaler_metrics()
     used = set()
     for expr in dashboard_exprs(dashboard):
         grafana_free = expr.replace("$__rate_interval", "5m").replace("$release", ".*")
         ast = promql_parser.parse(grafana_free)  # raises on bad PromQL
         promql_parser.walk(ast, lambda n: used.add(n.name) if isinstance(n, promql_parser.VectorSelector) else None)
     assert used and used <= known, f"metrics no code exports: {sorted(used - known)}"
-    assert AUTOSCALER_METRICS <= used and "autoscaler" in dashboard["description"]
+    assert autoscaler_metrics() <= used and "autoscaler" in dashboard["description"]
 
 
 def test_prometheus_config(helm_out):

@@ -82,6 +82,7 @@ custom Ray resource (prefill: 1 or decode: 1), which only that worker group's po
 one pool replica per pod. The routers need a CPU, which only the head advertises.
 */}}
 {{- define "pdserve.serveConfig" -}}
+{{- $rayPools := dict }}
 {{- $deployments := list (dict "name" "Router" "num_replicas" (int .Values.router.replicas)
                                "ray_actor_options" (dict "num_cpus" 1)) }}
 {{- range $role := list "prefill" "decode" }}
@@ -90,14 +91,22 @@ one pool replica per pod. The routers need a CPU, which only the head advertises
 {{- $initial := min (max (int $pool.replicas) (int $a.min_replicas)) (int $a.max_replicas) }}
 {{- $policy := dict "policy_function" $.Values.ray.policyFunction
                     "policy_kwargs" (merge (dict "role" $role) (deepCopy $a)) }}
+{{- /* Serve's own delays off: pdserve's policy windows are the stabilisation (cluster/ray_app.py) */}}
 {{- $autoscaling := dict "min_replicas" (int $a.min_replicas) "max_replicas" (int $a.max_replicas)
-                         "initial_replicas" $initial "policy" $policy }}
+                         "initial_replicas" $initial "policy" $policy
+                         "upscale_delay_s" 0 "downscale_delay_s" 0
+                         "look_back_period_s" 2 "metrics_interval_s" 1 }}
 {{- $deployments = append $deployments (dict "name" (printf "%sWorker" (title $role))
                                               "autoscaling_config" $autoscaling
                                               "ray_actor_options" (dict "num_cpus" 0 "resources" (dict $role 1))) }}
+{{- /* the same pools in the application's own config: its defaults, and the router's scale-from-zero */}}
+{{- $_ := set $rayPools $role (dict "replicas" $initial "num_cpus" 0 "resources" (dict $role 1)
+                                   "autoscaling" (deepCopy $a)) }}
 {{- end }}
+{{- $cluster := include "pdserve.clusterConfig" . | fromYaml }}
+{{- $_ := set $cluster "pools" $rayPools }}
 {{- $app := dict "name" "pdserve" "route_prefix" "/" "import_path" .Values.ray.importPath
-                 "args" (dict "cluster" (include "pdserve.clusterConfig" . | fromYaml))
+                 "args" (dict "cluster" $cluster)
                  "deployments" $deployments }}
 {{- toYaml (dict "proxy_location" "EveryNode"
                  "http_options" (dict "host" "0.0.0.0" "port" (int .Values.router.port))
