@@ -19,3 +19,14 @@ def test_ruff_passes():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "pdserve", "tests", "benchmarks"], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_ray_stays_in_the_control_plane():
+    """DESIGN.md: Ray is the control plane; only cluster/ray_app.py and cluster/ray_launcher.py import it,
+    so workers and the router run as plain processes without it."""
+    import re
+
+    allowed = {ROOT / "pdserve" / "cluster" / "ray_app.py", ROOT / "pdserve" / "cluster" / "ray_launcher.py"}
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "pdserve").rglob("*.py")
+                 if p not in allowed and re.search(r"^\s*(import ray\b|from ray\b)", p.read_text(), re.M)]
+    assert not offenders, offenders

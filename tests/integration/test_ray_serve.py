@@ -221,3 +221,21 @@ def test_a_load_step_scales_the_loaded_pool_up_then_down_and_loses_nothing(ray_u
         complete(ray_url, "still serving", 8)
     finally:
         serve.delete(APP)
+
+
+def test_a_pool_at_zero_wakes_for_a_request_and_goes_back_to_zero(ray_url):
+    cluster = merged(pools={
+        "prefill": {"replicas": 0},
+        "decode": {"replicas": 0, "num_cpus": 1, "grace_s": 5, "autoscaling": {
+            "min_replicas": 0, "max_replicas": 1, "upscale_window_s": 1, "downscale_window_s": 4,
+            "cold_start_timeout_s": 90}},
+    })
+    deploy(cluster)
+    try:
+        assert running("DecodeWorker") == 0 and not ready_workers(ray_url)
+        body = complete(ray_url, "wake up", 8, timeout=120)  # waits for the cold start, then is served
+        assert body["usage"]["completion_tokens"] == 8 and running("DecodeWorker") == 1
+        wait_for(lambda: running("DecodeWorker") == 0, 60, "the idle pool back at zero")
+        complete(ray_url, "and again", 8, timeout=120)
+    finally:
+        serve.delete(APP)

@@ -71,3 +71,46 @@ def test_serve_stops_every_process(sig):
     proc.send_signal(sig)
     proc.wait(60)
     assert wait_gone(workers), "a worker outlived pdserve serve"
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+@pytest.mark.slow
+def test_serve_on_ray_serves_and_stops_every_process(tmp_path):
+    """The default launcher: a local Ray instance (its own processes), the pools as Serve replicas."""
+    port = free_port()
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "serve",
+                             "--port", str(port), "--model", "random:tiny", "--num-kv-blocks", "64"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(url + "/ready", timeout=1)
+                if r.status_code == 200 and len([w for w in r.json()["workers"] if w["healthy"]]) == 2:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise TimeoutError("pdserve serve (Ray) did not become ready")
+        r = httpx.post(url + "/v1/completions", json={"model": "random:tiny", "prompt": "hi " * 200,
+                                                      "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        ray_processes = descendants(proc.pid)  # gcs, raylet, the replicas' workers, ...
+        assert len(ray_processes) >= 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
+        assert wait_gone(ray_processes, 60), "a Ray process outlived pdserve serve"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

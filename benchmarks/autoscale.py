@@ -1,0 +1,315 @@
+"""Autoscaling on Ray Serve: a load step from idle to a rate one decode replica cannot hold, and back.
+
+    python benchmarks/autoscale.py                       # the default model, about 5 minutes
+    python benchmarks/autoscale.py --model random:tiny   # the mechanics only, faster
+
+1. Ray's overhead: the same sequential requests against `pdserve serve --launcher processes` (plain
+   worker processes, the router under uvicorn) and against the Ray-launched cluster (Serve's HTTP proxy,
+   the Router replica, worker replicas), each idle at one prefill and one decode worker.
+2. The step: Poisson arrivals at --rate for --step-s seconds against the Ray cluster, whose decode pool
+   autoscales (min 1, max --max-replicas, target --target-running running requests per replica); the
+   prefill pool is fixed. Then the load stops and the pool scales back down.
+
+Reported: the time from the step to a new decode replica serving traffic (in the router's rotation and
+having generated tokens), TTFT/TPOT p90 before (the idle run), during (step -> new replica serving) and
+after (new replica serving -> end of the step), scale events (changes of running replicas per pool),
+and requests lost (failed or cut short; must be 0). Writes JSON and a PNG (replicas and latency over
+time) to --result-dir. Everything on 127.0.0.1; Ray is started here and stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from pdserve.bench.api import run_bench
+from pdserve.bench.config import BenchConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy_workers(url: str) -> list[dict]:
+    try:
+        r = httpx.get(url + "/ready", timeout=2)
+        return [w for w in r.json().get("workers", []) if w["healthy"]]
+    except (httpx.HTTPError, ValueError):
+        return []
+
+
+def wait_workers(url: str, n: int, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while len(healthy_workers(url)) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}: fewer than {n} workers in rotation after {seconds} s")
+        time.sleep(0.5)
+
+
+def worker_tokens(address: str) -> int:
+    import grpc
+
+    from pdserve.proto.v1 import worker_pb2 as pb
+    from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=5).generation_tokens_total
+
+
+def bench(url: str, args, **overrides):
+    config = BenchConfig(base_url=url, tokenizer=args.model, dataset_name="random", random_input_len=args.input_len,
+                         random_output_len=args.output_len, seed=args.seed, result_dir=args.result_dir,
+                         **overrides)
+    return asyncio.run(run_bench(config)).runs[0]["records"]
+
+
+def p90_ms(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.percentile(values, 90) * 1e3) if values else None
+
+
+def p50_ms(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.percentile(values, 50) * 1e3) if values else None
+
+
+def fmt(v: float | None, digits: int = 0) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def lost(records) -> int:
+    """Requests that failed or came back short. A stream whose every token detokenized to nothing
+    (random weights can do that; the harness calls it no_tokens) is complete when the server's usage
+    counts every token."""
+    def complete(r) -> bool:
+        return (r.ok or r.error == "no_tokens") and r.output_tokens == r.requested_output_tokens
+    return sum(1 for r in records if not complete(r))
+
+
+def sequential(url: str, args) -> list:
+    return bench(url, args, num_prompts=args.overhead_requests, max_concurrency=1, warmup_requests=2,
+                 progress=False)
+
+
+def plain_processes_run(args) -> list:
+    """The idle run against `pdserve serve --launcher processes` (one prefill, one decode worker)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "serve",
+                             "--launcher", "processes", "--port", str(port), "--model", args.model,
+                             "--num-threads", "1"])
+    try:
+        wait_workers(url, 2)
+        return sequential(url, args)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def cluster_config(args, port: int) -> dict:
+    return {
+        "engine": {"model": args.model, "num_threads": 1},
+        "router": {"port": port},
+        "pools": {
+            "prefill": {"replicas": 1, "num_cpus": 1},
+            "decode": {"replicas": 1, "num_cpus": 1, "grace_s": 30, "autoscaling": {
+                "min_replicas": 1, "max_replicas": args.max_replicas, "target_running_requests": args.target_running,
+                "upscale_window_s": args.upscale_window_s, "downscale_window_s": args.downscale_window_s,
+                "max_step": 1}},
+        },
+        "state_store": {"heartbeat_s": 0.5, "ttl_s": 2.0},
+        "ray": {"num_cpus": 1 + args.max_replicas, "metrics_interval_s": 0.5},
+    }
+
+
+class Watcher(threading.Thread):
+    """Running replicas per pool every 0.25 s, and when a new decode worker first generates tokens."""
+
+    def __init__(self, url: str, app: str):
+        super().__init__(daemon=True)
+        self.url, self.app = url, app
+        self.samples: list[tuple[float, int, int]] = []  # (time.time(), prefill, decode)
+        self.first_decode: set[str] = {w["worker_id"] for w in healthy_workers(url)}
+        self.new_serving_at: float | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from ray import serve
+
+        while not self.stop.is_set():
+            deployments = serve.status().applications[self.app].deployments
+            running = [deployments[d].replica_states.get("RUNNING", 0) for d in ("PrefillWorker", "DecodeWorker")]
+            self.samples.append((time.time(), *running))
+            if self.new_serving_at is None:
+                for w in healthy_workers(self.url):
+                    if w["worker_id"].startswith("decode-") and w["worker_id"] not in self.first_decode:
+                        if worker_tokens(w["address"]) > 0:
+                            self.new_serving_at = time.time()
+            time.sleep(0.25)
+
+    def events(self, column: int, since: float = 0.0, until: float = float("inf")) -> list[tuple[float, int]]:
+        """(time, new count) each time the pool's running replicas changed."""
+        out, last = [], None
+        for s in self.samples:
+            if last is not None and s[column] != last and since <= s[0] <= until:
+                out.append((s[0], s[column]))
+            last = s[column]
+        return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (default: smollm2-135m-instruct)")
+    p.add_argument("--rate", type=float, default=1.0, help="step load, requests per second (default: 1.0)")
+    p.add_argument("--step-s", type=float, default=60.0, help="how long the step lasts (default: 60)")
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens per request (default: 64)")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request (default: 64)")
+    p.add_argument("--max-replicas", type=int, default=2, help="decode pool's max_replicas (default: 2)")
+    p.add_argument("--target-running", type=int, default=4,
+                   help="decode pool's target_running_requests per replica (default: 4)")
+    p.add_argument("--upscale-window-s", type=float, default=5.0, help="upscale_window_s (default: 5)")
+    p.add_argument("--downscale-window-s", type=float, default=15.0, help="downscale_window_s (default: 15)")
+    p.add_argument("--overhead-requests", type=int, default=20,
+                   help="sequential requests of the idle run, per launcher (default: 20)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.add_argument("--result-dir", default="bench-results", help="where JSON and PNG go (default: bench-results)")
+    args = p.parse_args()
+    out = Path(args.result_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    print("1/3 idle run, plain processes ...", flush=True)
+    plain = plain_processes_run(args)
+
+    from pdserve.cluster import ray_launcher
+    from pdserve.cluster.config import load_serve_config
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = load_serve_config(None, cluster_config(args, port))
+    print("2/3 idle run, Ray Serve ...", flush=True)
+    started = ray_launcher.connect(config.ray)
+    try:
+        ray_launcher.check_placement(config)
+        ray_launcher.run_app(config)
+        wait_workers(url, 2)
+        on_ray = sequential(url, args)
+
+        print(f"3/3 load step: {args.rate:g} req/s for {args.step_s:g} s, then quiet ...", flush=True)
+        watcher = Watcher(url, config.ray.app_name)
+        watcher.start()
+        step_at = time.time()
+        step = bench(url, args, request_rate=args.rate, duration=args.step_s, num_prompts=100000, progress=False)
+        step_end = time.time()
+        deadline = time.monotonic() + args.downscale_window_s + 90
+        while watcher.samples[-1][2] > 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(2)
+        watcher.stop.set()
+        watcher.join(10)
+    finally:
+        ray_launcher.shutdown(config, started)
+
+    serving = watcher.new_serving_at
+    during = [r for r in step if r.start_wall < (serving or float("inf"))]
+    after = [r for r in step if serving is not None and r.start_wall >= serving]
+    decode_events = watcher.events(2, since=step_at)
+    prefill_events = watcher.events(1, since=step_at)
+    under_load = watcher.events(2, since=step_at, until=step_end)
+    gaps = np.diff([step_at] + [t for t, _ in under_load]) if under_load else []
+    back_to_one = next((t for t, n in decode_events if n == 1), None)
+
+    rows = [("plain processes, idle", plain), ("Ray Serve, idle (before)", on_ray),
+            ("step: before a new replica serves (during)", during), ("step: after it serves (after)", after)]
+    print("\n| phase | requests | TTFT p50 (ms) | TTFT p90 (ms) | TPOT p90 (ms) | E2E p50 (ms) | lost |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    table = []
+    for name, records in rows:
+        ok = [r for r in records if r.ok and not r.warmup]
+        row = {"phase": name, "requests": len([r for r in records if not r.warmup]),
+               "ttft_p50_ms": p50_ms([r.ttft for r in ok]), "ttft_p90_ms": p90_ms([r.ttft for r in ok]),
+               "tpot_p90_ms": p90_ms([r.tpot for r in ok]), "e2e_p50_ms": p50_ms([r.latency for r in ok]),
+               "lost": lost([r for r in records if not r.warmup])}
+        table.append(row)
+        print(f"| {name} | {row['requests']} | {fmt(row['ttft_p50_ms'], 1)} | {fmt(row['ttft_p90_ms'], 1)} | "
+              f"{fmt(row['tpot_p90_ms'], 1)} | {fmt(row['e2e_p50_ms'], 1)} | {row['lost']} |")
+    overhead = {k: (table[1][k] / table[0][k]) if table[0][k] and table[1][k] else None
+                for k in ("ttft_p50_ms", "e2e_p50_ms")}
+    added = {k: (table[1][k] - table[0][k]) if table[0][k] and table[1][k] else None
+             for k in ("ttft_p50_ms", "e2e_p50_ms")}
+    print(f"\nRay's overhead (idle, same requests): TTFT p50 x{fmt(overhead['ttft_p50_ms'], 2)} "
+          f"({fmt(added['ttft_p50_ms'], 1)} ms added), E2E p50 x{fmt(overhead['e2e_p50_ms'], 2)} "
+          f"({fmt(added['e2e_p50_ms'], 1)} ms added)")
+    print(f"step -> new decode replica serving: {fmt(serving - step_at if serving else None, 1)} s (target < 30 s)")
+    print(f"scale events: decode {[(round(t - step_at, 1), n) for t, n in decode_events]}, "
+          f"prefill {[(round(t - step_at, 1), n) for t, n in prefill_events]} (s after the step, replicas)")
+    shortest = min(gaps) if len(gaps) else None
+    print(f"under constant load: {len(under_load)} decode event(s), shortest gap {fmt(shortest, 1)} s "
+          f"(upscale window {args.upscale_window_s:g} s)")
+    print(f"load stopped -> back to one decode replica: {fmt(back_to_one - step_end if back_to_one else None, 1)} s "
+          f"(downscale window {args.downscale_window_s:g} s)")
+    total_lost = sum(lost([r for r in rs if not r.warmup]) for _, rs in rows)
+    print(f"requests lost, whole run: {total_lost} of {sum(len(rs) for _, rs in rows)}")
+
+    result = {"args": vars(args), "table": table, "overhead_ratio": overhead, "overhead_added_ms": added,
+              "step_to_serving_s": serving - step_at if serving else None,
+              "decode_events": [(t - step_at, n) for t, n in decode_events],
+              "prefill_events": [(t - step_at, n) for t, n in prefill_events],
+              "scale_down_after_load_s": back_to_one - step_end if back_to_one else None,
+              "lost": total_lost,
+              "replicas": [(t - step_at, pf, dc) for t, pf, dc in watcher.samples],
+              "step_records": [dataclasses.asdict(r) for r in step]}
+    (out / "autoscale.json").write_text(json.dumps(result, indent=1, default=str))
+    plot(out / "autoscale.png", watcher, step, step_at, step_end, serving, args)
+    print(f"\nwrote {out / 'autoscale.json'} and {out / 'autoscale.png'}")
+
+
+def plot(path: Path, watcher: Watcher, step, step_at: float, step_end: float, serving: float | None, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    t = [s[0] - step_at for s in watcher.samples]
+    a1.step(t, [s[2] for s in watcher.samples], where="post", label="decode replicas running")
+    a1.step(t, [s[1] for s in watcher.samples], where="post", label="prefill replicas running", linestyle="--")
+    a1.set_ylabel("replicas")
+    a1.set_yticks(range(0, args.max_replicas + 2))
+    ok = [r for r in step if r.ok and r.ttft is not None]
+    a2.scatter([r.start_wall - step_at for r in ok], [r.ttft * 1e3 for r in ok], s=6, label="TTFT")
+    a2.scatter([r.start_wall - step_at for r in ok], [(r.tpot or 0) * 1e3 for r in ok], s=6, label="TPOT")
+    a2.set_yscale("log")
+    a2.set_ylabel("ms")
+    a2.set_xlabel("seconds since the step")
+    for ax in (a1, a2):
+        ax.axvspan(0, step_end - step_at, color="orange", alpha=0.1, label="load step")
+        if serving:
+            ax.axvline(serving - step_at, color="green", linestyle=":", label="new replica serving")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"decode pool autoscaling: {args.rate:g} req/s step, {args.model}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
