@@ -102,12 +102,17 @@ def lost(records) -> int:
     return sum(1 for r in records if not complete(r))
 
 
-def sequential(url: str, args) -> list:
-    return bench(url, args, num_prompts=args.overhead_requests, max_concurrency=1, warmup_requests=2,
-                 progress=False)
+def sequential(url: str, args) -> tuple[list, list]:
+    """The idle runs: requests of the step's shape one at a time, then short ones (--overhead-output-len
+    tokens: latency is mostly the path a request takes, what Ray's HTTP proxy and replica hop add to)."""
+    shaped = bench(url, args, num_prompts=args.overhead_requests, max_concurrency=1, warmup_requests=2,
+                   progress=False)
+    short = bench(url, args, num_prompts=args.overhead_requests, max_concurrency=1, warmup_requests=2,
+                  progress=False, max_output_len=args.overhead_output_len)
+    return shaped, short
 
 
-def plain_processes_run(args) -> list:
+def plain_processes_run(args) -> tuple[list, list]:
     """The idle run against `pdserve serve --launcher processes` (one prefill, one decode worker)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -176,7 +181,7 @@ class Watcher(threading.Thread):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (default: smollm2-135m-instruct)")
-    p.add_argument("--rate", type=float, default=1.0, help="step load, requests per second (default: 1.0)")
+    p.add_argument("--rate", type=float, default=2.0, help="step load, requests per second (default: 2.0)")
     p.add_argument("--step-s", type=float, default=60.0, help="how long the step lasts (default: 60)")
     p.add_argument("--input-len", type=int, default=64, help="prompt tokens per request (default: 64)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request (default: 64)")
@@ -187,6 +192,8 @@ def main() -> None:
     p.add_argument("--downscale-window-s", type=float, default=15.0, help="downscale_window_s (default: 15)")
     p.add_argument("--overhead-requests", type=int, default=20,
                    help="sequential requests of the idle run, per launcher (default: 20)")
+    p.add_argument("--overhead-output-len", type=int, default=4,
+                   help="output tokens of the short requests that measure Ray's overhead (default: 4)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     p.add_argument("--result-dir", default="bench-results", help="where JSON and PNG go (default: bench-results)")
     args = p.parse_args()
@@ -194,7 +201,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     print("1/3 idle run, plain processes ...", flush=True)
-    plain = plain_processes_run(args)
+    plain, plain_short = plain_processes_run(args)
 
     from pdserve.cluster import ray_launcher
     from pdserve.cluster.config import load_serve_config
@@ -210,7 +217,7 @@ def main() -> None:
         ray_launcher.check_placement(config)
         ray_launcher.run_app(config)
         wait_workers(url, 2)
-        on_ray = sequential(url, args)
+        on_ray, ray_short = sequential(url, args)
 
         print(f"3/3 load step: {args.rate:g} req/s for {args.step_s:g} s, then quiet ...", flush=True)
         watcher = Watcher(url, config.ray.app_name)
@@ -250,13 +257,26 @@ def main() -> None:
         table.append(row)
         print(f"| {name} | {row['requests']} | {fmt(row['ttft_p50_ms'], 1)} | {fmt(row['ttft_p90_ms'], 1)} | "
               f"{fmt(row['tpot_p90_ms'], 1)} | {fmt(row['e2e_p50_ms'], 1)} | {row['lost']} |")
-    overhead = {k: (table[1][k] / table[0][k]) if table[0][k] and table[1][k] else None
+    print(f"\nRay's overhead, short requests ({args.input_len} prompt tokens, {args.overhead_output_len} output), "
+          "one at a time:")
+    print("\n| launcher | requests | TTFT p50 (ms) | TTFT p90 (ms) | E2E p50 (ms) | E2E p90 (ms) | lost |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    short_rows = []
+    for name, records in (("plain processes", plain_short), ("Ray Serve", ray_short)):
+        ok = [r for r in records if r.ok and not r.warmup]
+        row = {"launcher": name, "ttft_p50_ms": p50_ms([r.ttft for r in ok]),
+               "ttft_p90_ms": p90_ms([r.ttft for r in ok]), "e2e_p50_ms": p50_ms([r.latency for r in ok]),
+               "e2e_p90_ms": p90_ms([r.latency for r in ok]),
+               "lost": lost([r for r in records if not r.warmup])}
+        short_rows.append(row)
+        print(f"| {name} | {len(ok)} | {fmt(row['ttft_p50_ms'], 1)} | {fmt(row['ttft_p90_ms'], 1)} | "
+              f"{fmt(row['e2e_p50_ms'], 1)} | {fmt(row['e2e_p90_ms'], 1)} | {row['lost']} |")
+    overhead = {k: (short_rows[1][k] / short_rows[0][k]) if short_rows[0][k] and short_rows[1][k] else None
                 for k in ("ttft_p50_ms", "e2e_p50_ms")}
-    added = {k: (table[1][k] - table[0][k]) if table[0][k] and table[1][k] else None
+    added = {k: (short_rows[1][k] - short_rows[0][k]) if short_rows[0][k] and short_rows[1][k] else None
              for k in ("ttft_p50_ms", "e2e_p50_ms")}
-    print(f"\nRay's overhead (idle, same requests): TTFT p50 x{fmt(overhead['ttft_p50_ms'], 2)} "
-          f"({fmt(added['ttft_p50_ms'], 1)} ms added), E2E p50 x{fmt(overhead['e2e_p50_ms'], 2)} "
-          f"({fmt(added['e2e_p50_ms'], 1)} ms added)")
+    print(f"\nRay / plain: TTFT p50 x{fmt(overhead['ttft_p50_ms'], 2)} ({fmt(added['ttft_p50_ms'], 1)} ms added), "
+          f"E2E p50 x{fmt(overhead['e2e_p50_ms'], 2)} ({fmt(added['e2e_p50_ms'], 1)} ms added)")
     print(f"step -> new decode replica serving: {fmt(serving - step_at if serving else None, 1)} s (target < 30 s)")
     print(f"scale events: decode {[(round(t - step_at, 1), n) for t, n in decode_events]}, "
           f"prefill {[(round(t - step_at, 1), n) for t, n in prefill_events]} (s after the step, replicas)")
@@ -265,10 +285,12 @@ def main() -> None:
           f"(upscale window {args.upscale_window_s:g} s)")
     print(f"load stopped -> back to one decode replica: {fmt(back_to_one - step_end if back_to_one else None, 1)} s "
           f"(downscale window {args.downscale_window_s:g} s)")
-    total_lost = sum(lost([r for r in rs if not r.warmup]) for _, rs in rows)
-    print(f"requests lost, whole run: {total_lost} of {sum(len(rs) for _, rs in rows)}")
+    every = [rs for _, rs in rows] + [plain_short, ray_short]
+    total_lost = sum(lost([r for r in rs if not r.warmup]) for rs in every)
+    print(f"requests lost, whole run: {total_lost} of {sum(len(rs) for rs in every)}")
 
-    result = {"args": vars(args), "table": table, "overhead_ratio": overhead, "overhead_added_ms": added,
+    result = {"args": vars(args), "table": table, "short_requests": short_rows, "overhead_ratio": overhead,
+              "overhead_added_ms": added,
               "step_to_serving_s": serving - step_at if serving else None,
               "decode_events": [(t - step_at, n) for t, n in decode_events],
               "prefill_events": [(t - step_at, n) for t, n in prefill_events],

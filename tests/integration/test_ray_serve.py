@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -45,6 +46,7 @@ def ray_url():
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def deploy(cluster: dict):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -83,16 +85,18 @@ def descendants(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_serve_on_ray_serves_and_stops_every_process(tmp_path):
+def test_serve_on_ray_serves_and_stops_every_process():
     """The default launcher: a local Ray instance (its own processes), the pools as Serve replicas."""
     port = free_port()
-    env = {**os.environ, "RAY_TMPDIR": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "serve",
                              "--port", str(port), "--model", "random:tiny", "--num-kv-blocks", "64"], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
+            assert proc.poll() is None, "pdserve serve exited"
             try:
                 r = httpx.get(url + "/ready", timeout=1)
                 if r.status_code == 200 and len([w for w in r.json()["workers"] if w["healthy"]]) == 2:
@@ -114,3 +118,4 @@ def test_serve_on_ray_serves_and_stops_every_process(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
