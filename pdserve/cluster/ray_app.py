@@ -45,6 +45,7 @@ ROLES = ("prefill", "decode")
 DEPLOYMENTS = {"prefill": "PrefillWorker", "decode": "DecodeWorker"}
 POLICY_PATH = "pdserve.cluster.ray_app:PoolAutoscalingPolicy"
 HOLD_LOG_INTERVAL_S = 5.0
+WORKER_HOST_ENV = "PDSERVE_WORKER_HOST"
 # Ray metrics: each node's metrics agent exports them as ray_<name>{pool=...}
 AUTOSCALER_GAUGES = ("pdserve_autoscaler_desired_replicas", "pdserve_autoscaler_replicas")
 STATS = ("queued_prompt_tokens", "running_requests", "kv_usage", "ttft_p90_ms", "tpot_p90_ms")
@@ -222,8 +223,9 @@ class RayStateStore:
     """A ``StateStore`` client of the StateStore deployment. Like the Redis one, an unreachable
     store (its replica restarting) answers the last known workers and drops writes, warning once."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, timeout_s: float = 5.0):
         self.handle = handle
+        self.timeout_s = timeout_s  # a store replica being deleted or restarted must not hold a drain up
         self._last: list[WorkerRecord] = []
         self._down = False
 
@@ -235,7 +237,7 @@ class RayStateStore:
 
     async def _call(self, method: str, *args, default=None):
         try:
-            result = await getattr(self.handle, method).remote(*args)
+            result = await asyncio.wait_for(_awaited(getattr(self.handle, method).remote(*args)), self.timeout_s)
         except Exception as e:
             if not self._down:
                 log.warning("state store unreachable (%s: %s); using the last known state", type(e).__name__, e)
@@ -264,6 +266,10 @@ class RayStateStore:
 
     async def read_kv_events(self, cursor: str = "", count: int = 1000) -> KVEventBatch:
         return await self._call("read_kv_events", cursor, count, default=KVEventBatch([], cursor))
+
+
+async def _awaited(response):
+    return await response
 
 
 def _store_client(config, store_handle):
@@ -297,10 +303,15 @@ class _PoolWorker:
         # (num_cpus 0, as on KubeRay where a pod hosts one replica: torch's default, or OMP_NUM_THREADS)
         engine_config = dataclasses.replace(engine_config, load_progress=False)
         self.node_id = ray.get_runtime_context().get_node_id()
+        # Where routers reach this worker: the address Ray knows the node by, or WORKER_HOST_ENV where
+        # whoever started Ray set it (a Ray instance on one machine: loopback).
+        host = os.environ.get(WORKER_HOST_ENV) or next(
+            (n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == self.node_id),
+            ray.util.get_node_ip_address())
         self.replica = serve.get_replica_context().replica_id.unique_id
         store_config = config.state_store
         worker = WorkerConfig(
-            host=ray.util.get_node_ip_address(), port=0, grace_s=pool.grace_s,
+            host=host, port=0, grace_s=pool.grace_s,
             worker_id=f"{self.role}-{self.replica}", kv_backend=config.kv_transfer.backend,
             kv_lease_ms=config.kv_transfer.lease_ms, kv_reservation_ttl_ms=config.kv_transfer.reservation_ttl_ms,
             heartbeat_s=store_config.heartbeat_s, ttl_s=store_config.ttl_s)

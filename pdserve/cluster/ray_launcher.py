@@ -40,10 +40,12 @@ def connect(ray_config) -> bool:
         ray.init(address=ray_config.address, namespace=ray_config.namespace, log_to_driver=False)
         return False
     log.info("starting Ray on this machine (resources: %s)", ray_config.resources or "none declared")
+    # One machine: the workers serve gRPC on loopback (Ray's processes inherit this environment;
+    # Ray itself always advertises the machine's outward address).
+    os.environ.setdefault("PDSERVE_WORKER_HOST", "127.0.0.1")
     ray.init(num_cpus=ray_config.num_cpus if ray_config.num_cpus is not None else os.cpu_count(),
              num_gpus=ray_config.num_gpus, resources=dict(ray_config.resources) or None,
-             namespace=ray_config.namespace, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")  # one machine: everything on loopback
+             namespace=ray_config.namespace, include_dashboard=False, log_to_driver=False)
     return True
 
 

@@ -37,10 +37,10 @@ BASE = {
 @pytest.fixture(scope="module")
 def ray_url():
     """Ray on this machine with two node groups' worth of custom resources, Serve's HTTP proxy on a free port."""
-    os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PDSERVE_WORKER_HOST="127.0.0.1")
     os.environ["RAY_TMPDIR"] = tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths
     ray.init(num_cpus=8, resources={"prefill_node": 2, "decode_node": 3}, include_dashboard=False,
-             namespace="pdserve-test", log_to_driver=False, _node_ip_address="127.0.0.1", _temp_dir=tmp)
+             namespace="pdserve-test", log_to_driver=False, _temp_dir=tmp)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
