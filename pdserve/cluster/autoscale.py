@@ -15,7 +15,8 @@ smallest recommendation seen over ``upscale_window_s`` (the load must last), a s
 largest over ``downscale_window_s`` (the quiet must last); then at most
 ``max_step`` replicas move at once, within ``[min_replicas, max_replicas]``. After a move the
 windows start afresh, so a constant signal gives at most one move per window, towards its level,
-and no oscillation. With ``min_replicas: 0`` an idle pool goes to zero after the downscale window,
+and no oscillation; the same when the pool's size changed by other means (Serve's cold start from
+zero, a replica restarted). With ``min_replicas: 0`` an idle pool goes to zero after the downscale window,
 and a request waiting for a replica brings one back at once (no window: the cold start is the
 bound, ``cold_start_timeout_s``).
 """
@@ -90,6 +91,7 @@ class PoolPolicy:
     role: Literal["prefill", "decode"]
     config: AutoscalingConfig
     _history: deque = field(default_factory=deque)  # (time, raw)
+    _replicas: int | None = None  # the pool's size at the last decision
 
     def recommend(self, s: PoolSignals) -> tuple[int, str]:
         """The replica count the signals ask for, and which signal asked."""
@@ -112,6 +114,8 @@ class PoolPolicy:
     def decide(self, s: PoolSignals, now: float) -> Decision:
         c = self.config
         raw, reason = self.recommend(s)
+        if s.replicas != self._replicas:  # moved by something else (a cold start, a restart): windows afresh
+            self._history.clear()
         self._history.append((now, raw))
         horizon = now - max(c.upscale_window_s, c.downscale_window_s)
         while len(self._history) > 1 and self._history[1][0] <= horizon:  # keep one at or past the horizon:
@@ -136,6 +140,7 @@ class PoolPolicy:
         if desired != current:  # the next move needs a full window of what this one brings
             self._history.clear()
             self._history.append((now, raw))
+        self._replicas = desired
         return Decision(desired, raw, reason, s)
 
     def _span(self, now: float) -> float:

@@ -113,3 +113,17 @@ def test_ticks_that_never_land_on_the_window_still_scale_down():
         replicas = policy.decide(PoolSignals(replicas=replicas), now).desired
         now += 0.1003
     assert replicas == 1 and 6 <= now < 6.5
+
+
+def test_a_size_change_the_policy_did_not_make_restarts_the_windows():
+    """Serve's cold start takes a pool from 0 to 1 on its own: the quiet seen at zero must not take it
+    straight back to zero."""
+    policy = PoolPolicy("decode", AutoscalingConfig(min_replicas=0, max_replicas=2, upscale_window_s=1,
+                                                    downscale_window_s=4))
+    for now in range(10):  # idle at zero for longer than the window
+        assert policy.decide(PoolSignals(replicas=0), float(now)).desired == 0
+    replicas, seen = 1, []  # Serve started one for a waiting request; it was served at once
+    for now in range(10, 16):
+        replicas = policy.decide(PoolSignals(replicas=replicas), float(now)).desired
+        seen.append(replicas)
+    assert seen == [1, 1, 1, 1, 0, 0]  # a full downscale window at one replica first
