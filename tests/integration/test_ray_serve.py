@@ -235,9 +235,13 @@ def test_a_pool_at_zero_wakes_for_a_request_and_goes_back_to_zero(ray_url):
     deploy(cluster)
     try:
         assert running("DecodeWorker") == 0 and not ready_workers(ray_url)
-        body = complete(ray_url, "wake up", 8, timeout=120)  # waits for the cold start, then is served
-        assert body["usage"]["completion_tokens"] == 8 and running("DecodeWorker") == 1
+        complete(ray_url, "wake up", 8, timeout=120)  # waits for the cold start, then is served
+        served = time.monotonic()
+        assert [w for w in ready_workers(ray_url) if w["worker_id"].startswith("decode-")]
         wait_for(lambda: running("DecodeWorker") == 0, 60, "the idle pool back at zero")
+        # Not sooner than a full quiet window at one replica (the quiet seen at zero does not count);
+        # Serve's status may lag, never lead.
+        assert time.monotonic() - served >= 4 - 0.5
         complete(ray_url, "and again", 8, timeout=120)
     finally:
         serve.delete(APP)
