@@ -42,7 +42,9 @@ def connect(ray_config) -> bool:
     log.info("starting Ray on this machine (resources: %s)", ray_config.resources or "none declared")
     # One machine: the workers serve gRPC on loopback (Ray's processes inherit this environment;
     # Ray itself always advertises the machine's outward address).
-    os.environ.setdefault("PDSERVE_WORKER_HOST", "127.0.0.1")
+    from pdserve.cluster.ray_app import WORKER_HOST_ENV
+
+    os.environ.setdefault(WORKER_HOST_ENV, "127.0.0.1")
     ray.init(num_cpus=ray_config.num_cpus if ray_config.num_cpus is not None else os.cpu_count(),
              num_gpus=ray_config.num_gpus, resources=dict(ray_config.resources) or None,
              namespace=ray_config.namespace, include_dashboard=False, log_to_driver=False)
