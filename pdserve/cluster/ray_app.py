@@ -37,7 +37,13 @@ from ray import serve
 from ray.serve.config import AutoscalingContext
 
 from pdserve.cluster.autoscale import AutoscalingConfig, PoolPolicy, PoolSignals
-from pdserve.cluster.state_store import KVEventBatch, KVEventRecord, WorkerRecord
+from pdserve.cluster.state_store import (
+    KVEventBatch,
+    KVEventRecord,
+    MemoryStateStore,
+    StateStoreConfig,
+    WorkerRecord,
+)
 
 log = logging.getLogger(__name__)
 
@@ -193,30 +199,14 @@ def deployment_options(config, role: str) -> dict[str, Any]:
 
 @serve.deployment(name="StateStore", num_replicas=1, ray_actor_options={"num_cpus": 0},
                   max_ongoing_requests=1000)
-class StateStoreDeployment:
-    """The memory backend for every replica of the application (one replica; a restart empties it,
-    and the workers' next heartbeats fill it again)."""
+class StateStoreDeployment(MemoryStateStore):
+    """The memory backend for every replica of the application, called through its handle (one
+    replica; a restart empties it, and the workers' next heartbeats fill it again)."""
 
     def __init__(self, store_config: dict):
-        from pdserve.cluster.state_store import MemoryStateStore, StateStoreConfig
         from pdserve.configs import from_dict
 
-        self.store = MemoryStateStore(from_dict(StateStoreConfig, store_config))
-
-    async def heartbeat(self, record: WorkerRecord) -> None:
-        await self.store.heartbeat(record)
-
-    async def deregister(self, worker_id: str) -> None:
-        await self.store.deregister(worker_id)
-
-    async def workers(self) -> list[WorkerRecord]:
-        return await self.store.workers()
-
-    async def publish_kv_events(self, events: list[KVEventRecord]) -> None:
-        await self.store.publish_kv_events(events)
-
-    async def read_kv_events(self, cursor: str = "", count: int = 1000) -> KVEventBatch:
-        return await self.store.read_kv_events(cursor, count)
+        super().__init__(from_dict(StateStoreConfig, store_config))
 
 
 class RayStateStore:
@@ -348,7 +338,7 @@ class _PoolWorker:
         ctx = ray.get_runtime_context()
         return {"worker_id": self.server.servicer.worker_id, "address": self.server.address,
                 "node_id": self.node_id, "replica": self.replica, "pid": os.getpid(),
-                "resources": {k: v for k, v in ctx.get_assigned_resources().items()}}
+                "resources": dict(ctx.get_assigned_resources())}
 
     async def wake(self) -> bool:
         """A no-op call: the router sends one when the pool has no replica, which Serve counts as a
@@ -416,8 +406,8 @@ class PoolWaker:
 
     A pool that may be at zero (``autoscaling.min_replicas: 0``) gets a ``wake`` call on its
     deployment, which Serve counts as a waiting request and answers by starting a replica; the
-    router then waits for a worker of that role to join, up to ``cold_start_timeout_s``
-    (decode), or serves colocated meanwhile (prefill: ``wait`` false).
+    dispatcher then waits for a decode worker to join, up to ``cold_start_timeout_s``, and
+    prefills on the decode worker while the prefill pool starts.
     """
 
     def __init__(self, config, handles: dict):
@@ -433,15 +423,14 @@ class PoolWaker:
     def can_wake(self, role: str) -> bool:
         return role in self.handles
 
-    def wake(self, role: str) -> asyncio.Task | None:
+    def wake(self, role: str) -> None:
+        """Start waking the pool unless it is already being woken (returns at once)."""
         if role not in self.handles:
-            return None
+            return
         task = self._pending.get(role)
         if task is None or task.done():
             log.info("no %s worker in rotation: waking the pool", role)
-            task = asyncio.create_task(self._wake(role))
-            self._pending[role] = task
-        return task
+            self._pending[role] = asyncio.create_task(self._wake(role))
 
     async def _wake(self, role: str) -> None:
         try:

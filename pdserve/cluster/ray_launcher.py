@@ -51,8 +51,7 @@ def connect(ray_config) -> bool:
     return True
 
 
-def check_placement(config, cluster_resources: dict[str, float] | None = None,
-                    node_resources: list[dict[str, float]] | None = None) -> None:
+def check_placement(config, node_resources: list[dict[str, float]] | None = None) -> None:
     """Refuse a pool whose replicas no node could hold, naming the key (resources, GPUs, CPUs).
 
     A Ray cluster that adds nodes (KubeRay's autoscaler) may not have them yet: there, joining
@@ -67,27 +66,25 @@ def check_placement(config, cluster_resources: dict[str, float] | None = None,
         pool = getattr(config.pools, role)
         if pool.replicas == 0 and pool.autoscaling is None:
             continue
-        need = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+        wanted = {k: v for k, v in {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}.items() if v > 0}
+        if any(all(n.get(k, 0.0) >= v for k, v in wanted.items()) for n in node_resources):
+            continue
         keys = {"CPU": f"pools.{role}.num_cpus", "GPU": f"pools.{role}.num_gpus"}
-        for name, amount in need.items():
-            if amount <= 0:
-                continue
+        hint = ""
+        for name, amount in wanted.items():  # name the first resource no node has enough of
             best = max((n.get(name, 0.0) for n in node_resources), default=0.0)
             if best < amount:
                 key = keys.get(name, f"pools.{role}.resources.{name}")
                 message = (f"{key}: each {role} replica needs {amount:g} {name}, and no Ray node has that much "
                            f"(most on one node: {best:g})")
-                if strict:
-                    raise ConfigError(message + "; declare it (ray.resources in the config, or `ray start "
-                                                f"--resources '{{\"{name}\": N}}'` on a node)")
-                log.warning("%s; waiting for the cluster to add such a node", message)
-        wanted = {k: v for k, v in need.items() if v > 0}
-        if not any(all(n.get(k, 0.0) >= v for k, v in wanted.items()) for n in node_resources):
+                hint = f"; declare it (ray.resources in the config, or `ray start --resources '{{\"{name}\": N}}'`)"
+                break
+        else:  # each is somewhere, but never all on one node
             message = (f"pools.{role}: each {role} replica needs {wanted}, and no Ray node has all of it "
                        f"(nodes: {[{k: n.get(k, 0.0) for k in wanted} for n in node_resources]})")
-            if strict:
-                raise ConfigError(message)
-            log.warning("%s; waiting for the cluster to add such a node", message)
+        if strict:
+            raise ConfigError(message + hint)
+        log.warning("%s; waiting for the cluster to add such a node", message)
 
 
 def run_app(config, blocking: bool = False):
