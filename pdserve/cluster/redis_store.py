@@ -126,7 +126,8 @@ class RedisStateStore:
             async with self.client.pipeline(transaction=False) as p:
                 for e in events:
                     p.xadd(self._key("kv_events"), {"worker": e.worker_id, "kind": e.kind,
-                                                    "hashes": ",".join(e.block_hashes)},
+                                                    "hashes": ",".join(e.block_hashes), "epoch": e.epoch,
+                                                    "seq": e.seq},
                            maxlen=self.config.max_events, approximate=True)
                 await p.execute()
 
@@ -150,8 +151,8 @@ class RedisStateStore:
         resync = False
         if self.reachable:
             resync, self._resync = self._resync or lost, False
-        events = [KVEventRecord(f["worker"], f["kind"], tuple(h for h in f["hashes"].split(",") if h))
-                  for _, f in entries]
+        events = [KVEventRecord(f["worker"], f["kind"], tuple(h for h in f["hashes"].split(",") if h),
+                                f.get("epoch", ""), int(f.get("seq", 0))) for _, f in entries]
         return KVEventBatch(events, entries[-1][0] if entries else cursor, resync)
 
 

@@ -70,8 +70,10 @@ class KVEventRecord:
     """A worker's prefix blocks stored or removed (engine.block_pool.KVEvent, with its origin)."""
 
     worker_id: str
-    kind: str  # "stored" | "removed"
+    kind: str  # "stored" | "removed" | "cleared"
     block_hashes: tuple[str, ...]  # hex
+    epoch: str = ""  # the worker's block pool: a new one (a restart) numbers its events from 1 again
+    seq: int = 0  # consecutive per worker and epoch: a gap means events were lost (resync)
 
 
 @dataclass(frozen=True)

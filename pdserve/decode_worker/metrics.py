@@ -11,7 +11,10 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
+from pdserve.engine.block_pool import KVEventBuffer
 from pdserve.router.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 
@@ -37,8 +40,21 @@ class RecentQuantile:
         return values[min(len(values) - 1, int(q * len(values)))]
 
 
+class KVEventsDropped(Collector):
+    """The engine's count of KV events dropped unread, read when scraped (the engine thread counts)."""
+
+    def __init__(self, events: KVEventBuffer | None):
+        self.events = events
+
+    def collect(self):
+        yield CounterMetricFamily("pdserve_worker_kv_events_dropped", "KV events dropped because nobody drained "
+                                  "them in time (no state store, or it fell behind)",
+                                  value=0 if self.events is None else self.events.dropped)
+
+
 class WorkerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, kv_events: KVEventBuffer | None = None) -> None:
+        """``kv_events``: the engine's event buffer, whose drop count is exported (None: none to count)."""
         # TTFT and TPOT over the last 30 s, in seconds (the autoscaler's SLO signals)
         self.recent_ttft = RecentQuantile()
         self.recent_tpot = RecentQuantile()
@@ -77,3 +93,4 @@ class WorkerMetrics:
         # KV transfers, prefill side (sending)
         self.kv_sent = Counter("pdserve_kv_transfer_sent", "Transfers sent, by outcome", ["outcome"], registry=r)
         self.kv_sent_bytes = Counter("pdserve_kv_transfer_sent_bytes", "KV bytes sent", registry=r)
+        r.register(KVEventsDropped(kv_events))

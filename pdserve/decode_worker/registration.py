@@ -3,8 +3,9 @@
 Lifecycle: registered when its gRPC server is up -> its record (address, model, fingerprint,
 load snapshot) rewritten every ``heartbeat_s``, expiring ``ttl_s`` after the last one ->
 on drain, one more heartbeat saying ``draining`` (routers take it out of rotation at once) ->
-deregistered when it stops. Each heartbeat also publishes the block pool's KV events since the
-last one (prefix blocks stored / removed) to the store's stream, for the global prefix index.
+deregistered when it stops. Each heartbeat also drains the block pool's KV events since the
+last one (prefix blocks stored / removed / all cleared, numbered per epoch) into the store's
+stream, for the global prefix index.
 A store that is unreachable drops the writes with a warning; the next heartbeat after it
 returns registers the worker again.
 """
@@ -40,17 +41,11 @@ class Registration:
         self._task = asyncio.create_task(self._beat_forever(), name="state-store-heartbeat")
 
     def take_kv_events(self) -> list[KVEventRecord]:
-        """The block pool's events since the last call.
-
-        The engine thread only appends to the list; copying its first n items and deleting them
-        are each one step under the GIL, so an event appended meanwhile stays for the next call.
-        """
-        events = self.servicer.engine.engine.kv.pool.events
-        n = len(events)
-        taken = events[:n]
-        del events[:n]
-        return [KVEventRecord(self.servicer.worker_id, e.kind, tuple(h.hex() for h in e.block_hashes))
-                for e in taken]
+        """The block pool's events since the last call, with the pool's epoch and their numbers
+        (a gap in them is what the engine dropped while nobody drained: consumers resync)."""
+        buffer = self.servicer.engine.engine.kv.pool.events
+        return [KVEventRecord(self.servicer.worker_id, e.kind, tuple(h.hex() for h in e.block_hashes),
+                              buffer.epoch, e.seq) for e in buffer.drain()]
 
     async def beat(self) -> None:
         await self.store.heartbeat(self.record())

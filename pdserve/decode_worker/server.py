@@ -91,7 +91,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.config = config
         self.address = address
         self.draining = False
-        self.metrics = WorkerMetrics()
+        self.metrics = WorkerMetrics(engine.engine.kv.pool.events)
         self.layout = engine_layout(engine.engine)
         self.receiver = KVReceiver(engine.engine.runner.kv_cache, self.layout)
         self._resumed: set[str] = set()

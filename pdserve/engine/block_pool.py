@@ -6,13 +6,19 @@ happens when it reaches the front of the free queue and a new block is needed.
 
     free queue:  front [LRU ... MRU] back     get_new_blocks pops the front (evicting its hash)
                                               free_blocks appends to the back
+
+Every change to the set of cached hashes is a ``KVEvent`` in ``events``, a bounded buffer that
+whoever publishes them (the worker's registration) drains; nobody draining costs the oldest
+events, counted, never unbounded memory.
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
+import threading
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,8 +48,52 @@ class KVCacheBlock:
 class KVEvent:
     """A change to the set of cached prefix blocks, for the global prefix index."""
 
-    kind: str  # "stored" | "removed"
+    seq: int  # from 1, consecutive within the pool's epoch
+    kind: str  # "stored" | "removed" | "cleared" (every cached block forgotten; no hashes)
     block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """Every cached block's hash, as of event ``seq``: what a consumer rebuilds from after a gap
+    (a missing seq or a new epoch), before applying the events after ``seq``."""
+
+    epoch: str
+    seq: int
+    block_hashes: tuple[BlockHash, ...]
+
+
+class KVEventBuffer:
+    """The pool's events until someone drains them; when full, the oldest is dropped and counted.
+
+    The engine thread appends and a publisher on another thread drains, hence the lock. The
+    epoch is a fresh random id per pool, so a consumer tells a restarted worker's events (seq
+    from 1 again) from a gap.
+    """
+
+    def __init__(self, max_events: int):
+        self.epoch = secrets.token_hex(8)
+        self.last_seq = 0
+        self.dropped = 0
+        self._events: deque[KVEvent] = deque(maxlen=max_events)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def append(self, kind: str, block_hashes: tuple[BlockHash, ...]) -> None:
+        with self._lock:
+            if len(self._events) == self._events.maxlen:
+                self.dropped += 1  # the deque pushes its oldest event out
+            self.last_seq += 1
+            self._events.append(KVEvent(self.last_seq, kind, block_hashes))
+
+    def drain(self) -> list[KVEvent]:
+        """The events kept since the last drain, oldest first."""
+        with self._lock:
+            events = list(self._events)
+            self._events.clear()
+        return events
 
 
 @dataclass
@@ -53,11 +103,14 @@ class BlockPool:
     blocks: list[KVCacheBlock] = field(init=False)
     _free: OrderedDict[int, KVCacheBlock] = field(init=False)
     _cached: dict[BlockHash, KVCacheBlock] = field(init=False, default_factory=dict)
-    events: list[KVEvent] = field(init=False, default_factory=list)
+    events: KVEventBuffer = field(init=False)
 
     def __post_init__(self) -> None:
         self.blocks = [KVCacheBlock(i) for i in range(self.num_blocks)]
         self._free = OrderedDict((b.block_id, b) for b in self.blocks)
+        # A consumer further behind than this does better to resync from snapshot() (at most
+        # num_blocks hashes) than to replay; the margin covers a heartbeat's worth of churn.
+        self.events = KVEventBuffer(4 * self.num_blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -103,7 +156,7 @@ class BlockPool:
         block.block_hash = block_hash
         if block_hash not in self._cached:
             self._cached[block_hash] = block
-            self.events.append(KVEvent("stored", (block_hash,)))
+            self.events.append("stored", (block_hash,))
 
     def _evict(self, block: KVCacheBlock) -> None:
         h = block.block_hash
@@ -112,19 +165,21 @@ class BlockPool:
         block.block_hash = None
         if self._cached.get(h) is block:
             del self._cached[h]
-            self.events.append(KVEvent("removed", (h,)))
+            self.events.append("removed", (h,))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only possible when no block is in use."""
         if len(self._free) != self.num_blocks:
             return False
         for block in self.blocks:
-            self._evict(block)
+            block.block_hash = None
+        self._cached.clear()
+        self.events.append("cleared", ())
         return True
 
-    def take_events(self) -> list[KVEvent]:
-        events, self.events = self.events, []
-        return events
+    def snapshot(self) -> KVSnapshot:
+        """Every cached hash and the last event it reflects; call it on the thread that owns the pool."""
+        return KVSnapshot(self.events.epoch, self.events.last_seq, tuple(self._cached))
 
     def num_referenced(self) -> int:
         return sum(1 for b in self.blocks if b.ref_cnt > 0)

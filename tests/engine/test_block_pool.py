@@ -1,11 +1,15 @@
-"""The block pool and the KV cache manager on their own: hashes, ref counts, LRU eviction."""
+"""The block pool and the KV cache manager on their own: hashes, ref counts, LRU eviction, and the
+KV events a prefix index follows (bounded when nobody drains them, numbered, resyncable)."""
 
 from __future__ import annotations
 
-from pdserve.engine.block_pool import BlockPool, hash_block
+import threading
+
+from pdserve.engine.block_pool import BlockPool, KVEvent, hash_block
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
+from tests.conftest import run_to_completion
 
 
 def make_request(rid: str, tokens: list[int], salt: str | None = None) -> Request:
@@ -33,8 +37,9 @@ def test_pool_ref_counts_and_lru_eviction_order():
     first, second = pool.get_new_blocks(2)  # the never-used block, then the tail block
     assert second is blocks[2] and pool.get_cached_block(bytes([2]) * 16) is None
     assert pool.get_cached_block(bytes([0]) * 16) is blocks[0]
-    kinds = [e.kind for e in pool.take_events()]
-    assert kinds == ["stored", "stored", "stored", "removed"]
+    events = pool.events.drain()
+    assert [e.kind for e in events] == ["stored", "stored", "stored", "removed"]
+    assert [e.seq for e in events] == [1, 2, 3, 4] and pool.events.drain() == []
 
 
 def test_touch_takes_a_cached_free_block_out_of_the_free_queue():
@@ -89,3 +94,115 @@ def test_delayed_caching_hides_blocks_until_filled():
     kv.cache_blocks(r1, 9)
     assert len(kv.get_computed_blocks(make_request("c", list(range(9))))) == 2
     kv.free(r1)
+
+
+# ---- KV events ------------------------------------------------------------------------------------
+
+
+class IndexReplica:
+    """What a prefix index keeps of one worker: its cached hashes, rebuilt from a snapshot on a gap."""
+
+    def __init__(self) -> None:
+        self.hashes: set[bytes] = set()
+        self.seq = 0
+        self.resyncs = 0
+
+    def apply(self, events: list[KVEvent], pool: BlockPool) -> None:
+        for e in events:
+            if e.seq > self.seq + 1:  # events were dropped: start again from the pool's block list
+                snapshot = pool.snapshot()
+                self.hashes, self.seq = set(snapshot.block_hashes), snapshot.seq
+                self.resyncs += 1
+            if e.seq <= self.seq:  # already in the snapshot
+                continue
+            if e.kind == "stored":
+                self.hashes.update(e.block_hashes)
+            elif e.kind == "removed":
+                self.hashes.difference_update(e.block_hashes)
+            else:
+                assert e.kind == "cleared"
+                self.hashes.clear()
+            self.seq = e.seq
+
+
+def test_events_kept_are_bounded_and_the_overflow_counted():
+    pool = BlockPool(2)  # keeps 4 x 2 events
+    for i in range(10):  # each round: one block cached, then evicted by the next get_new_blocks
+        (b,) = pool.get_new_blocks(1)
+        pool.cache_block(b, bytes([i]) * 16)
+        pool.free_blocks([b])
+    # 10 stored, 8 removed (the last two blocks cached are still cached)
+    assert pool.events.last_seq == 10 + 8 and len(pool.events) == 8 and pool.events.dropped == 10
+    assert [e.seq for e in pool.events.drain()] == list(range(11, 19))
+    assert len(pool.events) == 0 and pool.events.dropped == 10
+
+
+def test_reset_prefix_cache_is_one_cleared_event_and_an_empty_snapshot():
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(2)
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, bytes([i]) * 16)
+    assert not pool.reset_prefix_cache()  # blocks in use
+    pool.free_blocks(blocks)
+    assert set(pool.snapshot().block_hashes) == {bytes([0]) * 16, bytes([1]) * 16}
+    assert pool.reset_prefix_cache()
+    assert [(e.seq, e.kind, e.block_hashes) for e in pool.events.drain()][-1] == (3, "cleared", ())
+    snapshot = pool.snapshot()
+    assert (snapshot.seq, snapshot.block_hashes, snapshot.epoch) == (3, (), pool.events.epoch)
+    assert pool.get_cached_block(bytes([0]) * 16) is None
+
+
+def prompts(n: int, length: int = 40) -> list[list[int]]:
+    """Distinct prompts: every one fills new blocks, so the cache churns."""
+    return [[1000 + length * i + j for j in range(length)] for i in range(n)]
+
+
+def add_requests(engine, token_lists: list[list[int]], prefix: str) -> None:
+    for i, tokens in enumerate(token_lists):
+        engine.add_request(f"{prefix}{i}", tokens, SamplingParams(max_tokens=4, temperature=0))
+
+
+def test_engine_without_a_consumer_keeps_a_bounded_event_buffer(make_engine):
+    engine = make_engine(num_kv_blocks=16)
+    buffer = engine.kv.pool.events
+    add_requests(engine, prompts(30), "r")
+    run_to_completion(engine)
+    # 30 prompts of 2 full blocks each: 60 stored, and all but the 16 blocks' worth removed again
+    assert buffer.last_seq >= 60 + 60 - 16
+    assert len(buffer) == 4 * 16 and buffer.dropped == buffer.last_seq - len(buffer)
+
+
+def test_a_consumer_draining_while_the_engine_runs_sees_every_event_in_order(make_engine):
+    engine = make_engine(num_kv_blocks=64)
+    pool, replica, seqs = engine.kv.pool, IndexReplica(), []
+    add_requests(engine, prompts(30), "r")
+    stepping = threading.Thread(target=run_to_completion, args=(engine,))
+    stepping.start()
+    while stepping.is_alive():  # the engine thread appends while this one drains
+        events = pool.events.drain()
+        seqs += [e.seq for e in events]
+        replica.apply(events, pool)
+        stepping.join(0.001)
+    events = pool.events.drain()
+    seqs += [e.seq for e in events]
+    replica.apply(events, pool)
+    assert seqs == list(range(1, pool.events.last_seq + 1)) and pool.events.dropped == 0
+    assert replica.resyncs == 0 and replica.hashes == set(pool.snapshot().block_hashes)
+
+
+def test_a_consumer_that_missed_events_resyncs_from_the_snapshot(make_engine):
+    engine = make_engine(num_kv_blocks=16)
+    pool, replica = engine.kv.pool, IndexReplica()
+    add_requests(engine, prompts(2), "a")
+    run_to_completion(engine)
+    replica.apply(pool.events.drain(), pool)
+    add_requests(engine, prompts(40)[2:], "b")  # nobody drains: the buffer overflows
+    run_to_completion(engine)
+    assert pool.events.dropped > 0
+    replica.apply(pool.events.drain(), pool)
+    assert replica.resyncs == 1 and replica.hashes == set(pool.snapshot().block_hashes)
+    add_requests(engine, prompts(44)[40:], "c")  # and it follows the events after the snapshot
+    run_to_completion(engine)
+    replica.apply(pool.events.drain(), pool)
+    assert replica.resyncs == 1 and replica.seq == pool.events.last_seq
+    assert replica.hashes == set(pool.snapshot().block_hashes)
