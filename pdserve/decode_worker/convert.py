@@ -29,9 +29,11 @@ def _lp(lp: Logprob) -> pb.TokenLogprob:
 
 
 def output_to_proto(out: RequestOutput) -> pb.GenerateResponse:
+    # A handoff ends the request here, not for the client: on the wire it is still running.
+    finished = out.finished and out.finish_reason != "handoff"
     msg = pb.GenerateResponse(
-        request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
-        finish_reason=out.finish_reason or "", num_prompt_tokens=out.num_prompt_tokens,
+        request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text, finished=finished,
+        finish_reason=(out.finish_reason or "") if finished else "", num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens,
     )
     if isinstance(out.stop_reason, str):

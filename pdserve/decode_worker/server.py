@@ -130,9 +130,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def _start(self, request: pb.GenerateRequest):
         params = convert.sampling_from_proto(request.sampling)
         outputs = list(request.output_token_ids)
+        emitted = request.emitted_text_len if request.HasField("emitted_text_len") else None
         if not request.kv_handle:
             return self.engine.generate(request.request_id, list(request.prompt_token_ids), params,
-                                        request.cache_salt or None, output_token_ids=outputs)
+                                        request.cache_salt or None, output_token_ids=outputs, emitted_text_len=emitted)
         handle = request.kv_handle
         self._resumed.add(handle)
         if not self.receiver.has(handle):  # released before the router came back: never lose it
@@ -140,15 +141,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             log.warning("request %s: its reservation was released before it resumed; computing the prompt here",
                         handle)
             return self.engine.generate(request.request_id, list(request.prompt_token_ids), params,
-                                        request.cache_salt or None, output_token_ids=outputs)
+                                        request.cache_salt or None, output_token_ids=outputs, emitted_text_len=emitted)
         if request.prefill_here:
             self.receiver.release(handle)
             self.metrics.kv_transfers.labels("prefilled_here").inc()
-            return self.engine.resume(handle, False, outputs)
+            return self.engine.resume(handle, False, outputs, emitted)
         ok, reason = await self.receiver.wait(handle)
         incoming = self.receiver.release(handle)
         self._count_transfer(incoming, ok, reason)
-        return self.engine.resume(handle, ok, outputs)
+        return self.engine.resume(handle, ok, outputs, emitted)
 
     def _count_transfer(self, incoming, ok: bool, reason: str | None) -> None:
         m = self.metrics

@@ -52,13 +52,29 @@ class EngineStats:
 
 @dataclass
 class _TextState:
-    """Per-request text: what was decoded, what was emitted, what is held back for stop strings."""
+    """Per-request text: what was decoded, what was emitted, what is held back for stop strings.
+
+    The text covers the whole output, also the tokens generated before the request reached this
+    engine (a continuation), so a stop string that began there is still found here::
+
+        text:  [ emitted (the client has it) | held back | new this step ]
+                                             ^ emitted  ^ len(text) before the step
+    """
 
     detokenizer: IncrementalDetokenizer
     stops: tuple[str, ...]
     hold: int  # characters kept back while a stop string could still be forming
     text: str = ""
     emitted: int = 0
+
+    @classmethod
+    def of(cls, request: Request, detokenizer: IncrementalDetokenizer) -> _TextState:
+        p = request.sampling_params
+        state = cls(detokenizer, p.stop, max((len(s) for s in p.stop), default=1) - 1)
+        state.text = "".join(detokenizer.step(t) for t in request.output_token_ids)
+        emitted = request.text_emitted
+        state.emitted = len(state.text) if emitted is None else min(emitted, len(state.text))
+        return state
 
 
 class LLMEngine:
@@ -108,11 +124,16 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         output_token_ids: list[int] = (),
+        emitted_text_len: int | None = None,
+        handoff_after: int | None = None,
     ) -> Request:
         """Validate and build a request (not yet queued).
 
         ``output_token_ids``: tokens already generated for it elsewhere; only what follows them
-        is reported (a continuation after a lost decode worker, or after remote prefill).
+        is reported (a continuation after a lost decode worker, or after remote prefill), and
+        ``emitted_text_len`` characters of their text were already sent (None: all of it).
+        ``handoff_after``: end here after this many new tokens, the request continuing
+        elsewhere (finish reason ``handoff``; text that may begin a stop string is held back).
         """
         if request_id in self.scheduler.requests or request_id in self._text:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
@@ -126,7 +147,9 @@ class LLMEngine:
             if len(ids) + len(output_token_ids) >= self.max_model_len:
                 raise InvalidRequestError("output_token_ids", "prompt and earlier output fill the context",
                                           code="context_length_exceeded")
-            request.add_prior_outputs(list(output_token_ids), self.model_config.vocab_size)
+            request.add_prior_outputs(list(output_token_ids), self.model_config.vocab_size, emitted_text_len)
+        if handoff_after is not None:
+            request.handoff_at = request.num_output_tokens + handoff_after
         return request
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
@@ -177,25 +200,26 @@ class LLMEngine:
             self._track(request)
         return block_ids
 
-    def finish_remote_kv(self, request_id: str, ok: bool, output_token_ids: list[int] = ()) -> None:
+    def finish_remote_kv(self, request_id: str, ok: bool, output_token_ids: list[int] = (),
+                         emitted_text_len: int | None = None) -> None:
         """The KV of a reserved request landed (ok) or not (recompute here); it joins the queue.
 
-        ``output_token_ids`` were sampled elsewhere (the prefill worker's first token) and
-        already reported there; generation continues after them.
+        ``output_token_ids`` were sampled elsewhere (the prefill worker's first token), and
+        ``emitted_text_len`` characters of their text were sent from there (None: all of it);
+        generation continues after them.
         """
         request = self.scheduler.requests[request_id]
         self._check_ids(list(output_token_ids), "output_token_ids")
         self.scheduler.finish_remote_kv(request_id, ok)
-        request.add_prior_outputs(list(output_token_ids), self.model_config.vocab_size)
-        self._text[request_id].detokenizer = self.tokenizer.detokenizer(
-            request.sampling_params.skip_special_tokens, request.output_token_ids)
+        request.add_prior_outputs(list(output_token_ids), self.model_config.vocab_size, emitted_text_len)
+        self._text[request_id] = self._text_state(request)
 
     def _track(self, request: Request) -> None:
-        p = request.sampling_params
-        hold = max((len(s) for s in p.stop), default=1) - 1
-        detokenizer = self.tokenizer.detokenizer(p.skip_special_tokens, request.output_token_ids)
-        self._text[request.request_id] = _TextState(detokenizer, p.stop, hold)
+        self._text[request.request_id] = self._text_state(request)
         self._counters["prompt_tokens"] += request.num_prompt_tokens
+
+    def _text_state(self, request: Request) -> _TextState:
+        return _TextState.of(request, self.tokenizer.detokenizer(request.sampling_params.skip_special_tokens))
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -227,20 +251,38 @@ class LLMEngine:
         for co in core_outputs:
             request, state = co.request, self._text[co.request.request_id]
             self._counters["generation_tokens"] += len(co.new_token_ids)
+            check_from = self._append_text(request, state, co)
             finished = co.finished
-            before = len(state.text)
-            state.text += "".join(state.detokenizer.step(t) for t in co.new_token_ids)
-            if state.stops and not finished and request.num_output_tokens > request.sampling_params.min_tokens:
-                finished = self._check_stop_strings(request, state, before)
-            end = len(state.text) if finished else max(state.emitted, len(state.text) - state.hold)
+            # Stop strings are looked for also when the step ended the request (its length, a
+            # stop token, a handoff), as vLLM does: a stop string found wins.
+            if state.stops and request.num_output_tokens > request.sampling_params.min_tokens:
+                finished = self._check_stop_strings(request, state, check_from) or finished
+            handoff = request.status is RequestStatus.FINISHED_HANDOFF
+            end = len(state.text) if finished and not handoff else max(state.emitted, len(state.text) - state.hold)
             new_text, state.emitted = state.text[state.emitted : end], end
             if finished:
                 del self._text[request.request_id]
             outputs.append(self._output(request, co.new_token_ids, new_text, co.new_logprobs, finished))
         return outputs
 
-    def _check_stop_strings(self, request: Request, state: _TextState, before: int) -> bool:
-        start = max(0, before - state.hold)
+    @staticmethod
+    def _append_text(request: Request, state: _TextState, co: CoreOutput) -> int:
+        """Detokenise the step's tokens; where the stop-string search starts (text of tokens
+        within ``min_tokens`` is not searched, as in vLLM)."""
+        p = request.sampling_params
+        ids = co.new_token_ids
+        if co.finished and request.status is RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output:
+            ids = ids[:-1]  # the stop token (EOS or a stop_token_id) is not part of the text
+        first = request.num_output_tokens - len(co.new_token_ids)  # output index of the step's first token
+        check_from = len(state.text)
+        for i, token_id in enumerate(ids):
+            state.text += state.detokenizer.step(token_id)
+            if first + i + 1 <= p.min_tokens:
+                check_from = len(state.text)
+        return check_from
+
+    def _check_stop_strings(self, request: Request, state: _TextState, check_from: int) -> bool:
+        start = max(0, check_from - state.hold)
         found = [(i, s) for s in state.stops if (i := state.text.find(s, start)) >= 0]
         if not found:
             return False
@@ -249,7 +291,10 @@ class LLMEngine:
         state.text = state.text[:keep]
         state.emitted = min(state.emitted, keep)
         request.stop_reason = stop
-        self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        if request.status.finished:  # ended by this very step: the stop string is the reason
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         return True
 
     def _output(self, request: Request, new_ids, new_text, logprobs, finished: bool) -> RequestOutput:

@@ -20,10 +20,14 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # This engine's part is done and the request continues elsewhere (a prefill worker hands its
+    # request to a decode worker after the first token): finished here, not for the client.
+    FINISHED_HANDOFF = "handoff"
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                        RequestStatus.FINISHED_HANDOFF)
 
 
 class Request:
@@ -69,6 +73,10 @@ class Request:
         room = (max_model_len - self.num_prompt_tokens) if max_model_len else None
         limits = [x for x in (sampling_params.max_tokens, room) if x is not None]
         self.max_output_tokens: int | None = min(limits) if limits else None
+        # Output count at which this engine hands the request on (None: it runs to the end here).
+        self.handoff_at: int | None = None
+        # Characters of the prior outputs' text the client already has (see add_prior_outputs).
+        self.text_emitted: int | None = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
@@ -85,10 +93,15 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def add_prior_outputs(self, token_ids: list[int], vocab_size: int) -> None:
+    def add_prior_outputs(self, token_ids: list[int], vocab_size: int, text_emitted: int | None = None) -> None:
         """Tokens generated for this request elsewhere (a prefill worker's first token, or what
         a lost decode worker streamed). They count as output; a seeded generator moves past
-        the draws that produced them, so what follows is what one worker would have sampled."""
+        the draws that produced them, so what follows is what one worker would have sampled.
+
+        ``text_emitted``: characters of their text already sent to the client (None: all of it).
+        The earlier worker held back the rest while a stop string could still be forming; this
+        engine sends it, or cuts it at a stop string, as one engine would have."""
+        self.text_emitted = text_emitted
         for token_id in token_ids:
             self.append_output_token(token_id)
         if self.generator is not None and token_ids:

@@ -60,7 +60,8 @@ class Sampler:
         for i, request in enumerate(requests):
             p = request.sampling_params
             if request.num_output_tokens < p.min_tokens:
-                stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
+                # EOS is held back too when ignore_eos is set (as vLLM does): min_tokens is a floor.
+                stops = list(p.stop_token_ids) + list(request.eos_token_ids)
                 if stops:
                     logits[i, stops] = float("-inf")
 

@@ -152,8 +152,9 @@ class Scheduler:
         if request.num_tokens - request.num_computed_tokens != 1 or not request.num_spec_slots:
             return 0
         k = min(request.num_spec_slots, budget - 1)
-        if request.max_output_tokens is not None:
-            k = min(k, request.max_output_tokens - request.num_output_tokens - 1)
+        for limit in (request.max_output_tokens, request.handoff_at):
+            if limit is not None:
+                k = min(k, limit - request.num_output_tokens - 1)
         return max(k, 0)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -257,6 +258,9 @@ class Scheduler:
                 return True
         if request.max_output_tokens is not None and request.num_output_tokens >= request.max_output_tokens:
             request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if request.handoff_at is not None and request.num_output_tokens >= request.handoff_at:
+            request.status = RequestStatus.FINISHED_HANDOFF
             return True
         return False
 

@@ -4,7 +4,7 @@ A request's lifecycle through this worker::
 
     router --Prefill(prompt, sampling, destination = a decode worker's reservation)-->
       layouts compared first (a mismatch is refused, naming both sides' values)
-      the engine queues the prompt with max_tokens=1: chunked prefill in batches under the
+      the engine queues the prompt to hand it off after one token: chunked prefill in batches under the
       token budget, its own prefix cache (a repeated prefix is not recomputed)
       during the step that completes the prompt, after each layer: that layer's blocks beyond
         the destination's cached prefix --> KV transfer session (grpc: PushKV chunks)
@@ -68,9 +68,11 @@ class PrefillServicer(WorkerServicer):
                                 f"unknown transfer backend {dest.backend!r} (this worker sends with grpc or torch)")
         try:
             params = convert.sampling_from_proto(request.sampling)
-            params = params.replace(max_tokens=1, min_tokens=min(params.min_tokens, 1))
             prompt = list(request.prompt_token_ids)
-            stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt or None)
+            # The request's own parameters (its stop strings, min_tokens, max_tokens), handed on to
+            # the decode worker after the first token unless that token already ends it.
+            stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt or None,
+                                          handoff_after=1)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.encode_invalid(e))
         session = self._sender(dest.backend).open(dest, self.layout, len(prompt))

@@ -3,21 +3,30 @@
     async for msg in dispatcher.run(request):      # pb.GenerateResponse deltas, first token first
         ...
 
-Paths:
+Paths (``policy.prefill_route`` decides, before and after the reservation):
 
     colocated        decode worker: Generate (it prefills its own prompt)
-    disaggregated    decode worker: Reserve  ->  route = prefill_route(prompt, cached there)
+    disaggregated    decode worker: Reserve  ->  prefill_route again, with what is cached there
                      remote: prefill worker: Prefill(destination) -> first token streamed at once
-                             decode worker: Generate(kv_handle, output_token_ids=[first])
+                             decode worker: Generate(kv_handle, output_token_ids=[first],
+                                                     emitted_text_len=its text sent so far)
                      local:  decode worker: Generate(kv_handle, prefill_here)
+
+Text: a worker holds back text that may begin a stop string. Whoever continues a request (the
+decode worker after the prefill worker, another decode worker after a lost one) gets every
+token so far and how much of their text the client has, so stop strings and held-back text
+are handled over the whole output, as on one worker.
 
 Faults:
 - a worker that fails (or leaves the rotation) before anything was streamed: the request goes
   to another worker of the same pool;
 - every prefill worker fails: the decode worker prefills the prompt itself;
-- a decode worker lost after tokens were streamed: the request continues on another decode
-  worker with the prompt and the tokens so far (``output_token_ids``), so the client's stream
-  goes on without a gap or a repeat;
+- a decode worker lost after tokens were streamed (it failed, left the rotation, or sent
+  nothing for ``stream_idle_timeout_s``): the request continues on another decode worker with
+  the prompt and the tokens so far (``output_token_ids``, ``emitted_text_len``), so the client's
+  stream goes on without a gap or a repeat;
+- no decode worker in rotation yet (start-up): a request waits up to ``wait_for_worker_s`` for
+  one (or, with a waker, its pool's cold-start bound);
 - transfer faults (a dropped, corrupt or stalled transfer) are the decode worker's to handle:
   it computes the prompt itself when the KV does not land within its lease.
 Each fault is counted by reason and logged with the request id.
@@ -34,7 +43,7 @@ import grpc
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import DisaggregationConfig, Policy, prefill_route
+from pdserve.router.policy import DisaggregationConfig, Policy, PrefillInputs, prefill_route
 from pdserve.router.pool import WorkerHandle, WorkerPool
 from pdserve.router.worker_client import (
     WORKER_FAILURES,
@@ -43,6 +52,7 @@ from pdserve.router.worker_client import (
     WorkerLostError,
     first_message,
     invalid_from_details,
+    rest_of_stream,
 )
 
 log = logging.getLogger(__name__)
@@ -51,8 +61,10 @@ log = logging.getLogger(__name__)
 class Dispatcher:
     def __init__(self, pool: WorkerPool, decode_policy: Policy, prefill_policy: Policy,
                  disaggregation: DisaggregationConfig, metrics: RouterMetrics, max_migrations: int = 3,
-                 waker=None):
+                 waker=None, wait_for_worker_s: float = 0.0, stream_idle_timeout_s: float = 60.0):
         self.pool = pool
+        self.wait_for_worker_s = wait_for_worker_s  # a request finding no decode worker waits this long for one
+        self.stream_idle_timeout_s = stream_idle_timeout_s  # a stream silent this long is lost: migrate
         # Scale from zero (cluster/ray_app.py PoolWaker): asked to start a worker of a pool that has none
         self.waker = waker
         self.decode_policy = decode_policy
@@ -64,11 +76,13 @@ class Dispatcher:
 
     async def run(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         generated: list[int] = []
+        emitted = 0  # characters of text sent to the client
         stream = self._first_leg(request)
         for migration in range(self.max_migrations + 1):
             try:
                 async for msg in stream:
                     generated.extend(msg.token_ids)
+                    emitted += len(msg.text)
                     yield msg
                 return
             except WorkerLostError as e:
@@ -77,33 +91,26 @@ class Dispatcher:
                 self.metrics.faults.labels("decode_worker_lost").inc()
                 log.warning("request %s: %s; continuing elsewhere after %d tokens", request.request_id, e,
                             len(generated))
-                follow = pb.GenerateRequest()
-                follow.CopyFrom(request)
-                follow.request_id = f"{request.request_id}-m{migration + 1}"
-                follow.ClearField("kv_handle")
-                follow.prefill_here = False
-                follow.output_token_ids.extend(generated)
-                stream = self._colocated(follow)
+                stream = self._colocated(_continuation(request, f"{request.request_id}-m{migration + 1}",
+                                                       generated, emitted))
                 self.metrics.migrations.inc()
 
     def _first_leg(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         prompt = len(request.prompt_token_ids)
-        if not self.pool.healthy("prefill"):
-            if self.waker is not None and prompt >= self.disaggregation.min_prompt_tokens:
-                self.waker.wake("prefill")  # prefilled here meanwhile
-            self.metrics.prefill_decisions.labels("local_no_prefill_worker").inc()
-            return self._colocated(request)
-        if prompt < self.disaggregation.min_prompt_tokens:
-            self.metrics.prefill_decisions.labels("local_short").inc()
-            return self._colocated(request)
-        return self._disaggregated(request)
+        route = prefill_route(PrefillInputs(prompt, bool(self.pool.healthy("prefill"))), self.disaggregation)
+        if route == "reserve":
+            return self._disaggregated(request)
+        if route == "local_no_prefill_worker" and self.waker is not None and prompt >= \
+                self.disaggregation.min_prompt_tokens:
+            self.waker.wake("prefill")  # prefilled here meanwhile
+        self.metrics.prefill_decisions.labels(route).inc()
+        return self._colocated(request)
 
     # ---- colocated -------------------------------------------------------------------------
 
     async def _colocated(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         tried: set[str] = set()
-        if not self.pool.healthy("decode") and self.waker is not None and self.waker.can_wake("decode"):
-            await self._cold_start("decode")
+        await self._await_decode_worker()
         while True:
             worker = self._pick("decode", self.decode_policy, tried)
             started = False
@@ -119,13 +126,17 @@ class Dispatcher:
                 log.warning("request %s: worker %s failed before streaming (%s); retrying elsewhere",
                             request.request_id, worker.worker_id, e)
 
-    async def _cold_start(self, role: str) -> None:
-        """Wake a pool at zero replicas and wait for a worker to join, up to its cold-start bound."""
-        self.waker.wake(role)
-        self.metrics.cold_starts.labels(role).inc()
-        deadline = asyncio.get_running_loop().time() + self.waker.timeouts[role]
-        while not self.pool.healthy(role) and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.1)
+    async def _await_decode_worker(self) -> None:
+        """With no decode worker in rotation: wake the pool if it is at zero replicas and wait for
+        its cold start, or wait ``wait_for_worker_s`` for one still starting."""
+        if self.pool.healthy("decode"):
+            return
+        if self.waker is not None and self.waker.can_wake("decode"):
+            self.waker.wake("decode")
+            self.metrics.cold_starts.labels("decode").inc()
+            await self.pool.wait_for("decode", self.waker.timeouts["decode"])
+        elif self.wait_for_worker_s > 0:
+            await self.pool.wait_for("decode", self.wait_for_worker_s)
 
     async def _generate(self, worker: WorkerHandle, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         """A worker's Generate stream; its failures become ``_Retry`` (bad input stays an error)."""
@@ -136,12 +147,12 @@ class Dispatcher:
             if first is None:
                 return
             yield first
-            while (msg := await call.read()) is not grpc.aio.EOF:  # read(): iteration and read() don't mix
+            async for msg in rest_of_stream(call, worker, self.stream_idle_timeout_s):
                 yield msg
         except grpc.aio.AioRpcError as e:
             raise self._classify(worker, e, "Generate") from e
         except WorkerDown as e:
-            raise _Retry("it left the rotation") from e
+            raise _Retry(str(e) or "it left the rotation") from e
         finally:
             worker.inflight -= 1
             call.cancel()  # no-op once finished; otherwise aborts the request on the worker
@@ -167,13 +178,13 @@ class Dispatcher:
 
     async def _disaggregated(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         decode, reservation = await self._reserve(request)
+        route = prefill_route(PrefillInputs(len(request.prompt_token_ids), True, reservation is not None,
+                                            reservation.cached_tokens if reservation else 0), self.disaggregation)
+        self.metrics.prefill_decisions.labels(route).inc()
         if reservation is None:  # no decode worker has room to reserve: queue colocated instead
-            self.metrics.prefill_decisions.labels("local_no_room").inc()
             async for msg in self._colocated(request):
                 yield msg
             return
-        route = prefill_route(len(request.prompt_token_ids), reservation.cached_tokens, True, self.disaggregation)
-        self.metrics.prefill_decisions.labels(route).inc()
         resume = pb.GenerateRequest()
         resume.CopyFrom(request)
         resume.kv_handle = reservation.handle
@@ -181,16 +192,13 @@ class Dispatcher:
         if first is None:
             resume.prefill_here = True
         else:
-            ended = first.finish_reason == "stop" or (request.sampling.HasField("max_tokens")
-                                                      and request.sampling.max_tokens <= 1)
-            if ended:  # the first token was the last: nothing to decode
+            if first.finished:  # the first token was the last (a stop, max_tokens 1): nothing to decode
                 await self._release(decode, reservation.handle)
                 yield first
                 return
-            first.finished = False
-            first.finish_reason = ""
             yield first
             resume.output_token_ids.extend(first.token_ids)
+            resume.emitted_text_len = len(first.text)
         try:
             async for msg in self._generate(decode, resume):
                 yield msg
@@ -199,6 +207,7 @@ class Dispatcher:
 
     async def _reserve(self, request: pb.GenerateRequest) -> tuple[WorkerHandle | None, pb.ReserveResponse | None]:
         tried: set[str] = set()
+        await self._await_decode_worker()
         while True:
             try:
                 worker = self._pick("decode", self.decode_policy, tried)
@@ -274,6 +283,21 @@ class Dispatcher:
             await worker.stub.Abort(pb.AbortRequest(request_ids=[handle]), timeout=5)
         except grpc.aio.AioRpcError:
             pass  # the lease frees it anyway
+
+
+def _continuation(request: pb.GenerateRequest, request_id: str, generated: list[int],
+                  emitted: int) -> pb.GenerateRequest:
+    """The request for the worker that continues it: every token so far, and how much of their
+    text the client has (the rest was held back by the lost worker)."""
+    follow = pb.GenerateRequest()
+    follow.CopyFrom(request)
+    follow.request_id = request_id
+    follow.ClearField("kv_handle")
+    follow.prefill_here = False
+    del follow.output_token_ids[:]
+    follow.output_token_ids.extend(generated)
+    follow.emitted_text_len = emitted
+    return follow
 
 
 def compatible(worker: WorkerHandle, like: WorkerHandle | None) -> bool:

@@ -48,15 +48,30 @@ class DisaggregationConfig:
     min_uncached_tokens: int = 64  # so are prompts whose part not cached on the decode worker is shorter
 
 
-def prefill_route(prompt_tokens: int, cached_tokens: int, prefill_available: bool,
-                  cfg: DisaggregationConfig) -> str:
-    """``remote`` (a prefill worker), or why not: ``local_no_prefill_worker``, ``local_short``,
-    ``local_cached``. The label is the metric's outcome."""
-    if not prefill_available:
+@dataclass(frozen=True)
+class PrefillInputs:
+    """What the router knows when it decides where a prompt is prefilled."""
+
+    prompt_tokens: int
+    prefill_available: bool  # a prefill worker is in rotation
+    reserved: bool | None = None  # None: no reservation asked for yet; False: no decode worker had room
+    cached_tokens: int = 0  # with a reservation: leading prompt tokens cached on that decode worker
+
+
+def prefill_route(x: PrefillInputs, cfg: DisaggregationConfig) -> str:
+    """Where the prompt is prefilled: ``remote`` (a prefill worker), ``reserve`` (ask a decode
+    worker for a reservation first, then decide again with its answer), or why it is prefilled
+    on the decode worker: ``local_no_prefill_worker``, ``local_short``, ``local_no_room``,
+    ``local_cached``. Every outcome but ``reserve`` is a label of the decisions metric."""
+    if not x.prefill_available:
         return "local_no_prefill_worker"
-    if prompt_tokens < cfg.min_prompt_tokens:
+    if x.prompt_tokens < cfg.min_prompt_tokens:
         return "local_short"
-    if prompt_tokens - cached_tokens < cfg.min_uncached_tokens:
+    if x.reserved is None:
+        return "reserve"
+    if not x.reserved:
+        return "local_no_room"
+    if x.prompt_tokens - x.cached_tokens < cfg.min_uncached_tokens:
         return "local_cached"
     return "remote"
 

@@ -137,6 +137,21 @@ class WorkerPool:
         w.down.set()
         self.changed.set()
 
+    async def wait_for(self, role: str, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a worker of ``role`` in rotation; whether there is one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.healthy(role):
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            self.changed.clear()  # no await between the check and the wait: no change is missed
+            try:
+                await asyncio.wait_for(self.changed.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
+
     def healthy(self, role: str | None = None) -> list[WorkerHandle]:
         return [w for w in self.workers if w.healthy and (role is None or w.role == role)]
 

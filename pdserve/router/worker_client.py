@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -69,12 +70,12 @@ def invalid_from_details(details: str) -> InvalidRequestError | None:
 
 
 class WorkerDown(Exception):
-    """The worker left the rotation while a request waited for its first message."""
+    """The worker left the rotation (or its stream stalled) while a request was on it."""
 
 
 async def first_message(call, worker: WorkerHandle) -> pb.GenerateResponse | None:
     """The call's first message (None if it ends without one); the worker leaving the rotation
-    before it arrives raises ``_WorkerDown``. Later messages are read from the call directly."""
+    before it arrives raises ``WorkerDown``. Later messages: ``rest_of_stream``."""
     first = asyncio.ensure_future(call.read())
     down = asyncio.ensure_future(worker.down.wait())
     try:
@@ -86,3 +87,32 @@ async def first_message(call, worker: WorkerHandle) -> pb.GenerateResponse | Non
         raise WorkerDown()
     msg = first.result()
     return None if msg is grpc.aio.EOF else msg
+
+
+async def rest_of_stream(call, worker: WorkerHandle, idle_timeout_s: float) -> AsyncIterator[pb.GenerateResponse]:
+    """The call's messages after the first. The worker leaving the rotation, or no message for
+    ``idle_timeout_s``, raises ``WorkerDown``: the stream is lost, and the request moves on."""
+    gone = asyncio.Event()
+
+    async def cancel_when_down() -> None:
+        await worker.down.wait()
+        gone.set()
+        call.cancel()  # the pending read raises CancelledError (not a cancellation of our task)
+
+    watcher = asyncio.create_task(cancel_when_down())
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(idle_timeout_s):
+                    msg = await call.read()
+            except TimeoutError:
+                raise WorkerDown(f"no message for {idle_timeout_s:g} s") from None
+            except asyncio.CancelledError:
+                if gone.is_set() and not asyncio.current_task().cancelling():
+                    raise WorkerDown("it left the rotation") from None
+                raise
+            if msg is grpc.aio.EOF:
+                return
+            yield msg
+    finally:
+        watcher.cancel()

@@ -1,0 +1,24 @@
+"""Where a prompt is prefilled: every outcome of the one pure decision, as a table."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.policy import DisaggregationConfig, PrefillInputs, prefill_route
+
+CFG = DisaggregationConfig(min_prompt_tokens=128, min_uncached_tokens=64)
+
+
+@pytest.mark.parametrize("inputs, outcome", [
+    (PrefillInputs(1000, prefill_available=False), "local_no_prefill_worker"),
+    (PrefillInputs(1000, prefill_available=False, reserved=True), "local_no_prefill_worker"),
+    (PrefillInputs(127, prefill_available=True), "local_short"),
+    (PrefillInputs(127, prefill_available=True, reserved=True), "local_short"),
+    (PrefillInputs(128, prefill_available=True), "reserve"),
+    (PrefillInputs(128, prefill_available=True, reserved=False), "local_no_room"),
+    (PrefillInputs(200, prefill_available=True, reserved=True, cached_tokens=137), "local_cached"),
+    (PrefillInputs(200, prefill_available=True, reserved=True, cached_tokens=136), "remote"),
+    (PrefillInputs(200, prefill_available=True, reserved=True, cached_tokens=0), "remote"),
+])
+def test_prefill_route_outcomes(inputs, outcome):
+    assert prefill_route(inputs, CFG) == outcome
