@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP API in front of the workers.
 
-A request's path: validate (pydantic; 400 naming the field) -> known model (404) -> admission
-(429 with Retry-After) -> chat template and tokenizer -> context check (400
-context_length_exceeded) -> one worker request per choice, dispatched (router/dispatcher.py:
-colocated or disaggregated, retries, migration; 503 when no worker is up) -> stream (SSE) or
-collect -> usage. A client that goes away cancels its worker calls, which aborts the requests there.
+A request's path: body within the limit (413, router/asgi.py) -> validate (pydantic; 400 naming
+the field) -> known model (404) -> admission (429 with Retry-After) -> chat template and
+tokenizer -> context check (400 context_length_exceeded) -> one worker request per choice,
+dispatched (router/dispatcher.py: colocated or disaggregated, retries, migration; 503 when no
+worker is up) -> stream (SSE) or collect -> usage. A client that goes away cancels its worker
+calls, which aborts the requests there. A large body is parsed and tokenised on a thread, so no
+single request holds the event loop (``/health`` answers throughout).
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import orjson
@@ -25,18 +30,25 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
-from pydantic import ValidationError
 
 from pdserve.configs import doc
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.tokenizer import ModelTokenizer
 from pdserve.proto.v1 import worker_pb2 as pb
+from pdserve.router.asgi import body_limit, read_body, send_json, send_sse
 from pdserve.router.discovery import StoreDiscovery
 from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import POLICIES, DisaggregationConfig, least_queued_prefill
 from pdserve.router.pool import WorkerPool
-from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, field_of_engine_error
+from pdserve.router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    field_of_engine_error,
+    parse_body,
+    validation_error,
+)
 from pdserve.router.responses import SSE_DONE, Choice, Formatter, usage
 from pdserve.router.worker_client import NoWorkerError, WorkerLostError, sampling_to_proto
 
@@ -58,6 +70,14 @@ class RouterConfig:
                                               "(conditional disaggregation)")
     disagg_min_uncached_tokens: int = doc(64, "prompts whose part not cached on the decode worker is shorter "
                                                "than this are prefilled there too")
+    max_body_bytes: int = doc(0, "largest request body accepted; a larger one is answered 413 before it is read "
+                                 "(0: from the context length, max(1 MiB, max_model_len x 128 B + 64 KiB))")
+    max_batch: int = doc(1024, "most completions one request may ask for (prompts x n); past it, a 400")
+
+
+# Bodies up to this size are parsed and tokenised on the event loop (a millisecond or two); larger
+# ones on a thread, so that no single request holds the loop (tokenizers releases the GIL there).
+_INLINE_BODY_BYTES = 2048
 
 
 class Router:
@@ -73,6 +93,8 @@ class Router:
         self.dispatcher = Dispatcher(pool, POLICIES[config.policy](), least_queued_prefill, disaggregation,
                                      self.metrics, waker=waker)
         self.inflight = 0
+        self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                            thread_name_prefix="router-prepare")
 
     @property
     def model_name(self) -> str:
@@ -85,6 +107,16 @@ class Router:
     def max_model_len(self) -> int | None:
         info = self.pool.model_info()
         return info.max_model_len if info else None
+
+    @property
+    def body_limit(self) -> int:
+        return body_limit(self.max_model_len, self.config.max_body_bytes)
+
+    async def _off_loop(self, size: int, fn: Callable, *args):
+        """``fn(*args)`` here for a small body, on a thread for a large one (the loop keeps serving)."""
+        if size <= _INLINE_BODY_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # ---- the app ----------------------------------------------------------------------------
 
@@ -102,6 +134,7 @@ class Router:
             if self.discovery is not None:
                 await self.discovery.close()
             await self.pool.close()
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
         app = FastAPI(title="pdserve", version="1", lifespan=lifespan)
         app.add_exception_handler(RequestValidationError, self._validation_error)
@@ -129,15 +162,15 @@ class Router:
             self._refresh_worker_gauges()
             return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
 
-        hot = {"/v1/chat/completions": ("chat", ChatCompletionRequest),
-               "/v1/completions": ("completions", CompletionRequest)}
+        plain = {"/v1/chat/completions": partial(self._generate, "chat", ChatCompletionRequest),
+                 "/v1/completions": partial(self._generate, "completions", CompletionRequest)}
 
         async def asgi(scope, receive, send):
-            # The two generation endpoints are served as plain ASGI: per streamed token, the
-            # framework's middleware stack cost as much as the rest of the router together.
-            if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in hot:
-                kind, model = hot[scope["path"]]
-                await self._generation_endpoint(kind, model, scope, receive, send)
+            # The endpoints that take a body are served as plain ASGI: per streamed token, the
+            # framework's middleware stack cost as much as the rest of the router together, and
+            # bodies are read within the limit and parsed off the loop (router/asgi.py).
+            if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in plain:
+                await self._plain_endpoint(plain[scope["path"]], scope, receive, send)
             else:
                 await app(scope, receive, send)
 
@@ -145,7 +178,7 @@ class Router:
         return asgi
 
     async def _validation_error(self, request: Request, exc: RequestValidationError) -> JSONResponse:
-        error = _validation_to_openai(exc.errors())
+        error = validation_error(exc.errors())
         self.metrics.errors.labels("invalid_request").inc()
         self.metrics.requests.labels(request.url.path, "400").inc()
         return JSONResponse(error.body(), status_code=400)
@@ -155,30 +188,20 @@ class Router:
         self.metrics.requests.labels(request.url.path, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    async def _generation_endpoint(self, kind: str, model, scope, receive, send) -> None:
-        path = scope["path"]
+    async def _plain_endpoint(self, handler, scope, receive, send) -> None:
+        """Read the body (within the limit), answer with ``handler(body)``: JSON, or SSE to stream."""
         try:
-            raw = await _read_body(receive)
-            try:
-                data = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                raise OpenAIError(400, "the request body is not valid JSON") from None
-            if not isinstance(data, dict):
-                raise OpenAIError(400, "the request body must be a JSON object")
-            try:
-                body = model.model_validate(data)
-            except ValidationError as e:
-                raise _validation_to_openai(e.errors()) from None
-            answer = await self._serve(kind, body)
+            raw = await read_body(scope, receive, self.body_limit)
+            answer = await handler(raw)
         except OpenAIError as e:
             self.metrics.errors.labels(e.code or e.type).inc()
-            self.metrics.requests.labels(path, str(e.status)).inc()
-            await _send_json(send, e.status, e.body(), e.headers)
+            self.metrics.requests.labels(scope["path"], str(e.status)).inc()
+            await send_json(send, e.status, e.body(), e.headers)
             return
         if isinstance(answer, dict):
-            await _send_json(send, 200, answer)
+            await send_json(send, 200, answer)
         else:
-            await _send_sse(send, receive, answer)
+            await send_sse(send, receive, answer)
 
     def _refresh_worker_gauges(self) -> None:
         m = self.metrics
@@ -192,10 +215,12 @@ class Router:
 
     # ---- serving ----------------------------------------------------------------------------
 
-    async def _serve(self, kind: str, body: ChatCompletionRequest | CompletionRequest) -> dict | AsyncIterator[bytes]:
-        """The JSON response, or the SSE body to stream; errors before any output raise OpenAIError."""
+    async def _generate(self, kind: str, model, raw: bytes) -> dict | AsyncIterator[bytes]:
         started = time.perf_counter()
-        endpoint = f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}"
+        body = await self._off_loop(len(raw), parse_body, model, raw)
+        return await self._serve(kind, body, len(raw), started)
+
+    def _admit(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         if body.model != self.model_name:
             raise OpenAIError(404, f"model {body.model!r} does not exist; served: {self.model_name!r}",
                               type="not_found_error", param="model", code="model_not_found")
@@ -203,8 +228,45 @@ class Router:
             raise OpenAIError(429, f"too many requests in flight ({self.inflight}); retry shortly",
                               type="rate_limit_error", code="rate_limit_exceeded",
                               headers={"Retry-After": str(self.config.retry_after_s)})
-        params, prompts = self._prepare(kind, body)
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+    async def _serve(self, kind: str, body: ChatCompletionRequest | CompletionRequest, size: int,
+                     started: float) -> dict | AsyncIterator[bytes]:
+        """The JSON response, or the SSE body to stream; errors before any output raise OpenAIError."""
+        endpoint = f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}"
+        self._admit(body)
+        self.inflight += 1  # from admission on, so that requests being tokenised count too
+        self.metrics.in_flight.inc()
+        stream = None
+        try:
+            params, prompts = await self._off_loop(size, self._prepare, kind, body)
+            rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+            choices, requests = self._requests(rid, body, params, prompts)
+            stream = _merge([self.dispatcher.run(r) for r in requests])
+            first = await self._first(stream)  # errors before any output become HTTP statuses
+        except BaseException:
+            self._done()
+            if stream is not None:
+                await stream.aclose()
+            raise
+        fmt = Formatter(self.tokenizer, rid, body.model, chat=kind == "chat")
+        want_logprobs = (body.logprobs if kind == "chat" else body.logprobs is not None)
+        prompt_tokens = sum(len(ids) for ids, _ in prompts)
+        run = _Run(self, fmt, choices, want_logprobs, prompt_tokens, started, endpoint)
+        if body.stream:
+            body_iter = run.sse(first, stream, bool(body.stream_options and body.stream_options.include_usage))
+            # A client gone before the first byte: the body is never iterated, its finally never
+            # runs; this settles the request when the unstarted generator is collected.
+            weakref.finalize(body_iter, run.abandon, stream)
+            return body_iter
+        try:
+            return await run.collect(first, stream)
+        finally:
+            await stream.aclose()
+
+    @staticmethod
+    def _requests(rid: str, body, params: SamplingParams,
+                  prompts: list[tuple[list[int], str]]) -> tuple[list[Choice], list[pb.GenerateRequest]]:
+        """One choice and one worker request per (prompt, sample)."""
         choices, requests = [], []
         for p, (ids, prefix) in enumerate(prompts):
             for j in range(params.n):
@@ -214,30 +276,7 @@ class Router:
                 requests.append(pb.GenerateRequest(
                     request_id=f"{rid}-{index}", prompt_token_ids=ids, cache_salt=body.cache_salt or "",
                     sampling=sampling_to_proto(params.replace(n=1, seed=seed))))
-        prompt_tokens = sum(len(ids) for ids, _ in prompts)
-        fmt = Formatter(self.tokenizer, rid, body.model, chat=kind == "chat")
-        want_logprobs = (body.logprobs if kind == "chat" else body.logprobs is not None)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        self.inflight += 1
-        self.metrics.in_flight.inc()
-        stream = _merge([self.dispatcher.run(r) for r in requests])
-        try:
-            first = await self._first(stream)  # errors before any output become HTTP statuses
-        except BaseException:
-            self._done()
-            await stream.aclose()
-            raise
-        run = _Run(self, fmt, choices, want_logprobs, prompt_tokens, started, endpoint)
-        if body.stream:
-            body_iter = run.sse(first, stream, include_usage)
-            # A client gone before the first byte: the body is never iterated, its finally never
-            # runs; this settles the request when the unstarted generator is collected.
-            weakref.finalize(body_iter, run.abandon, stream)
-            return body_iter
-        try:
-            return await run.collect(first, stream)
-        finally:
-            await stream.aclose()
+        return choices, requests
 
     def _prepare(self, kind: str, body) -> tuple[SamplingParams, list[tuple[list[int], str]]]:
         """Sampling parameters and (prompt ids, echo prefix) per prompt; 400s name the field."""
@@ -251,6 +290,10 @@ class Router:
             except Exception as e:  # a template may raise on inputs it does not accept
                 raise OpenAIError(400, f"messages: cannot apply the chat template: {e}", param="messages") from e
         else:
+            if len(body.prompts()) * params.n > self.config.max_batch:
+                raise OpenAIError(400, f"prompt: {len(body.prompts())} prompts x n={params.n} is over the "
+                                       f"{self.config.max_batch} completions one request may ask for "
+                                       f"(--max-batch)", param="prompt")
             prompts = []
             for p in body.prompts():
                 ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
@@ -384,78 +427,6 @@ class _Run:
         finally:
             await stream.aclose()
             self._finish(status)
-
-
-def _validation_to_openai(errors: list) -> OpenAIError:
-    """A pydantic validation error as a 400 naming the field."""
-    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not isinstance(x, int)]
-    param = loc[0] if loc else None
-    message = str(err.get("msg", "invalid request"))
-    if err.get("type") == "json_invalid":
-        param, message = None, "the request body is not valid JSON"
-    elif not loc and err.get("type") in ("model_attributes_type", "dict_type"):
-        message = "the request body must be a JSON object"
-    elif not loc:  # a model validator: its message names the field first ("field: ...")
-        message = message.removeprefix("Value error, ")
-        if ":" in message:
-            param = message.split(":", 1)[0].split()[0]
-    text = f"{'.'.join(loc)}: {message}" if loc else message
-    return OpenAIError(400, text, param=param)
-
-
-_MAX_BODY = 64 << 20
-
-
-async def _read_body(receive) -> bytes:
-    parts, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise OpenAIError(400, "the client closed the connection before sending its body")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > _MAX_BODY:
-            raise OpenAIError(413, f"the request body is over {_MAX_BODY >> 20} MiB", code="request_too_large")
-        parts.append(chunk)
-        if not message.get("more_body"):
-            return b"".join(parts)
-
-
-async def _send_json(send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-    data = orjson.dumps(body)
-    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
-    await send({"type": "http.response.body", "body": data})
-
-
-async def _send_sse(send, receive, body: AsyncIterator[bytes]) -> None:
-    """Stream ``body``; a client disconnect cancels the streaming (and so the worker calls)."""
-    task = asyncio.current_task()
-    gone = False
-
-    async def watch() -> None:
-        nonlocal gone
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        gone = True
-        task.cancel()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-        async for chunk in body:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-    except asyncio.CancelledError:
-        if not gone:
-            raise
-        task.uncancel()  # our own cancellation: the client left, nothing more to do
-    finally:
-        watcher.cancel()
-        await body.aclose()
 
 
 async def _next(stream):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -190,3 +191,35 @@ def field_of_engine_error(e: InvalidRequestError, request: _Sampling) -> str:
     if e.field == "prompt" and isinstance(request, ChatCompletionRequest):
         return "messages"
     return e.field
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """A request body as ``model``; a 400 naming the field when it is not one."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise OpenAIError(400, "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def validation_error(errors: list) -> OpenAIError:
+    """A pydantic validation error as a 400 naming the field."""
+    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not isinstance(x, int)]
+    param = loc[0] if loc else None
+    message = str(err.get("msg", "invalid request"))
+    if err.get("type") == "json_invalid":
+        param, message = None, "the request body is not valid JSON"
+    elif not loc and err.get("type") in ("model_attributes_type", "dict_type"):
+        message = "the request body must be a JSON object"
+    elif not loc:  # a model validator: its message names the field first ("field: ...")
+        message = message.removeprefix("Value error, ")
+        if ":" in message:
+            param = message.split(":", 1)[0].split()[0]
+    text = f"{'.'.join(loc)}: {message}" if loc else message
+    return OpenAIError(400, text, param=param)

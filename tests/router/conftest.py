@@ -1,0 +1,46 @@
+"""A Router in this process, driven over ASGI (no worker processes; workers are set by the test)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.proto.v1 import worker_pb2 as pb
+from pdserve.router.app import Router, RouterConfig
+from pdserve.router.pool import WorkerHandle, WorkerPool
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer(MODEL)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def in_rotation(role: str, max_model_len: int = 8192) -> WorkerHandle:
+    """A worker handle as the pool holds one that answered its polls (no process behind it)."""
+    info = pb.WorkerInfo(worker_id=f"{role}-0", role=role, model=MODEL, max_model_len=max_model_len)
+    return WorkerHandle(f"127.0.0.1:1{len(role)}", info=info, healthy=True)
+
+
+@pytest.fixture
+def make_client(tokenizer):
+    """``make_client(workers, **config)``: an httpx client on a Router over those worker handles."""
+    clients = []
+
+    def make(workers: list[WorkerHandle] = (), waker=None, **config) -> httpx.AsyncClient:
+        pool = WorkerPool([])
+        pool.workers = list(workers)
+        router = Router(RouterConfig(**config), pool, tokenizer, MODEL, waker=waker)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=router.create_app()), base_url="http://router")
+        clients.append(client)
+        return client
+
+    yield make
