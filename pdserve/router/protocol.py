@@ -67,6 +67,8 @@ class _Sampling(BaseModel):
     def _refuse_unsupported(self):
         if self.logit_bias:
             raise ValueError("logit_bias: not supported")
+        if self.service_tier not in (None, "auto", "default"):  # tiers are not served differently yet
+            raise ValueError(f"service_tier: {self.service_tier!r} is not served; use 'auto' or 'default'")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("stop: at most 4 stop sequences")
         if self.stream_options is not None and not self.stream:

@@ -50,6 +50,8 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, code:
         ({"model": MODEL, "messages": HI, "logit_bias": {"1": 5}}, "logit_bias"),
         ({"model": MODEL, "messages": HI, "response_format": {"type": "json_schema"}}, "response_format"),
         ({"model": MODEL, "messages": HI, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": MODEL, "messages": HI, "service_tier": "flex"}, "service_tier"),
+        ({"model": MODEL, "messages": HI, "service_tier": "priority"}, "service_tier"),
     ],
 )
 def test_bad_chat_requests_are_400_naming_the_field(served, body, param):
@@ -66,6 +68,7 @@ def test_bad_chat_requests_are_400_naming_the_field(served, body, param):
         ({"model": MODEL, "prompt": []}, "prompt"),
         ({"model": MODEL, "prompt": [10**9]}, "prompt"),
         ({"model": MODEL, "prompt": "hi", "min_tokens": 9, "max_tokens": 2}, "min_tokens"),
+        ({"model": MODEL, "prompt": "hi", "service_tier": "scale"}, "service_tier"),
     ],
 )
 def test_bad_completion_requests_are_400(served, body, param):

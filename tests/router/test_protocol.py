@@ -1,0 +1,28 @@
+"""Request bodies: fields pdserve cannot honour are refused with a 400 naming them."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_body
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def parse(model, **fields):
+    return parse_body(model, orjson.dumps({"model": "m", **fields}))
+
+
+@pytest.mark.parametrize("tier", ["flex", "priority", "scale", "gold"])
+@pytest.mark.parametrize("model,fields", [(ChatCompletionRequest, {"messages": HI}),
+                                          (CompletionRequest, {"prompt": "hi"})])
+def test_a_service_tier_that_is_not_served_is_refused(model, fields, tier):
+    with pytest.raises(OpenAIError) as e:
+        parse(model, service_tier=tier, **fields)
+    assert e.value.status == 400 and e.value.param == "service_tier" and "service_tier" in e.value.message
+
+
+@pytest.mark.parametrize("tier", [None, "auto", "default"])
+def test_the_default_service_tier_is_accepted(tier):
+    assert parse(ChatCompletionRequest, messages=HI, service_tier=tier).service_tier == tier
