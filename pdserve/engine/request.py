@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.block_pool import BlockHash
+from pdserve.engine.logprobs import Logprob, TokenLogprobs  # noqa: F401 (also imported from here)
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -112,23 +113,6 @@ class Request:
             f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens})"
         )
-
-
-@dataclass
-class Logprob:
-    """Log-probability of one token, and its rank among all tokens (1 = most likely)."""
-
-    token_id: int
-    logprob: float
-    rank: int
-
-
-@dataclass
-class TokenLogprobs:
-    """The sampled token's logprob and the top alternatives at one position."""
-
-    sampled: Logprob
-    top: list[Logprob]
 
 
 @dataclass

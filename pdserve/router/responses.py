@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from pdserve.engine.request import TokenLogprobs
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.tokenizer import ModelTokenizer
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.worker_client import logprobs_of, stop_reason_of

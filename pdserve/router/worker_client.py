@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pdserve.engine.request import Logprob, TokenLogprobs
+from pdserve.engine.logprobs import Logprob, TokenLogprobs
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.pool import WorkerHandle
