@@ -106,8 +106,8 @@ class PoolsConfig:
 class KVTransferConfig:
     backend: Literal["grpc", "torch"] = doc("grpc", "how prefill workers send KV to decode workers: grpc, or torch "
                                                     "(torch.distributed: gloo on CPU, nccl on GPU)")
-    lease_ms: int = doc(10000, "how long a transfer may take from its first chunk before the decode worker "
-                               "computes the prompt itself")
+    lease_ms: int = doc(10000, "how long a transfer may go without a chunk (each renews the lease) before the "
+                               "decode worker computes the prompt itself")
     reservation_ttl_ms: int = doc(120000, "how long a decode worker's reserved blocks wait for their transfer to "
                                           "begin (the prompt may queue on a busy prefill worker)")
 
@@ -123,8 +123,13 @@ class ServeConfig:
     launcher: Literal["ray", "processes"] = doc("ray", "how pdserve serve runs the pools: ray (Ray Serve "
                                                        "deployments, autoscaled) or processes (plain processes)")
     ray: RayConfig = doc(default_factory=RayConfig, help="the Ray cluster and Serve application (launcher: ray)")
+    ready_timeout_s: float = doc(600.0, "pdserve serve: how long the workers may take to start and a decode worker "
+                                        "to join the router's rotation (the ready line waits for it) before serve "
+                                        "gives up and stops")
 
     def __post_init__(self) -> None:
+        if self.ready_timeout_s <= 0:
+            raise ConfigError(f"ready_timeout_s: must be positive, got {self.ready_timeout_s}")
         if self.launcher == "processes":
             for role in ("prefill", "decode"):
                 if getattr(self.pools, role).autoscaling is not None:

@@ -1,8 +1,12 @@
 """Starting and stopping worker processes on this machine (the plain-process launcher).
 
-Each worker is ``python -m pdserve.cluster.cli worker <role> --port 0 ...``; it prints
+Each worker is ``python -P -m pdserve.cluster.cli worker <role> --port 0 ...``; it prints
 ``PDSERVE_WORKER_READY host:port`` on stdout once it serves, which is how the launcher learns
 its address. Stopping sends SIGTERM (the worker drains), then SIGKILL after a grace period.
+
+``-P`` keeps the working directory off the worker's ``sys.path``: run from a directory holding a
+folder named ``pdserve`` (a clone's parent), ``-m`` would import that folder as a namespace
+package instead of the installed one, and every request would fail.
 """
 
 from __future__ import annotations
@@ -33,13 +37,13 @@ class WorkerProcess:
 
 
 def start_worker(role: str, args: list[str], env: dict[str, str] | None = None) -> WorkerProcess:
-    cmd = [sys.executable, "-m", "pdserve.cluster.cli", "worker", role, *args]
+    cmd = [sys.executable, "-P", "-m", "pdserve.cluster.cli", "worker", role, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=die_with_parent)
     return WorkerProcess(role, proc)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: get SIGTERM when the launcher dies, even by SIGKILL (Linux), so no worker
     outlives the command that started it."""
     if sys.platform.startswith("linux"):
@@ -77,11 +81,16 @@ def _forward(stream) -> None:
         pass
 
 
-def stop_workers(workers: list[WorkerProcess], grace_s: float = 30.0) -> None:
-    """SIGTERM every worker we started, wait for them to drain, SIGKILL what remains."""
+def signal_workers(workers: list[WorkerProcess]) -> None:
+    """SIGTERM every worker still running: each deregisters and drains its in-flight requests."""
     for w in workers:
         if w.process.poll() is None:
             w.process.send_signal(signal.SIGTERM)
+
+
+def stop_workers(workers: list[WorkerProcess], grace_s: float = 30.0) -> None:
+    """SIGTERM every worker we started, wait for them to drain, SIGKILL what remains."""
+    signal_workers(workers)
     deadline = time.monotonic() + grace_s
     for w in workers:
         try:

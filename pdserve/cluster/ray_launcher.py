@@ -1,22 +1,43 @@
 """``pdserve serve`` on Ray: start or join a Ray cluster, check the pools fit it, run the Serve app.
 
-    started = connect(config.ray)        # a local Ray instance, or the cluster at ray.address
+    head = connect(config.ray)           # a Ray head we start here (RayHead), or None: joined ray.address
     check_placement(config)              # every pool's resources exist on some node, else ConfigError
     run_app(config)                      # serve.start (HTTP on the router's host:port) + serve.run
     ...
-    shutdown(config, started)            # delete the app (replicas drain), stop Ray if we started it
+    shutdown(config, head)               # delete the app (replicas drain), stop the head if we started it
+
+A Ray instance on this machine is ``ray start --head --block`` in a session of its own, not
+``ray.init()``'s children: those share ``pdserve serve``'s process group, so a SIGTERM or Ctrl-C
+sent to the group (a shell, a process supervisor) killed the GCS and raylet under the replicas
+before the drain could talk to them (a 60 s hang, exit 1). In its own session only we stop it,
+after the drain; it still dies with us (PR_SET_PDEATHSIG) if we are killed outright.
 
 The application itself is ``ray_app.build_app``; this module only drives Ray.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
 
 from pdserve.configs import ConfigError
 
 log = logging.getLogger(__name__)
+HEAD_STARTED = "Ray runtime started."  # what ray start prints once its processes are up
+HEAD_START_TIMEOUT_S = 180.0
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _import_ray():
@@ -29,26 +50,128 @@ def _import_ray():
     return ray, serve
 
 
-def connect(ray_config) -> bool:
-    """Join ``ray_config.address``, or start Ray on this machine. Returns whether we started it."""
+@dataclass
+class RayHead:
+    """The Ray head this command started: ``ray start --head --block``, leader of its own session."""
+
+    process: subprocess.Popen
+    address: str  # the GCS, host:port
+    started: threading.Event = field(default_factory=threading.Event)
+    output: deque = field(default_factory=lambda: deque(maxlen=40))  # its last lines, for errors
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def connect(ray_config) -> RayHead | None:
+    """Join ``ray_config.address``, or start a Ray head on this machine and join it (returned)."""
     ray, _ = _import_ray()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if ray.is_initialized():
-        return False
     if ray_config.address:
         log.info("joining the Ray cluster at %s", ray_config.address)
         ray.init(address=ray_config.address, namespace=ray_config.namespace, log_to_driver=False)
-        return False
-    log.info("starting Ray on this machine (resources: %s)", ray_config.resources or "none declared")
-    # One machine: the workers serve gRPC on loopback (Ray's processes inherit this environment;
-    # Ray itself always advertises the machine's outward address).
+        return None
+    _local_auth()
+    head = start_head(ray_config)
+    try:
+        with _neutral_cwd():
+            ray.init(address=head.address, namespace=ray_config.namespace, log_to_driver=False)
+    except BaseException:
+        stop_head(head)
+        raise
+    return head
+
+
+def _local_auth() -> None:
+    """Token authentication as ``ray.init()`` sets it up for a new local cluster: on unless
+    RAY_AUTH_MODE says otherwise, a token generated if there is none. Set in our environment, so the
+    head we start, its processes and this driver agree (``ray start`` alone turns it on only where a
+    token already exists, and a driver given an address never does: they could disagree)."""
+    from ray._private.authentication.authentication_token_setup import (
+        enable_token_auth_by_default,
+        ensure_token_if_auth_enabled,
+    )
+
+    enable_token_auth_by_default()
+    ensure_token_if_auth_enabled(None, create_token_if_missing=True)
+
+
+def start_head(ray_config, timeout_s: float = HEAD_START_TIMEOUT_S) -> RayHead:
+    """``ray start --head --block`` in a new session; returns once Ray says it has started."""
+    from pdserve.cluster.launcher import die_with_parent
     from pdserve.cluster.ray_app import WORKER_HOST_ENV
 
-    os.environ.setdefault(WORKER_HOST_ENV, "127.0.0.1")
-    ray.init(num_cpus=ray_config.num_cpus if ray_config.num_cpus is not None else os.cpu_count(),
-             num_gpus=ray_config.num_gpus, resources=dict(ray_config.resources) or None,
-             namespace=ray_config.namespace, include_dashboard=False, log_to_driver=False)
-    return True
+    gcs, client, dashboard = _free_ports(3)  # Ray's fixed defaults would clash with any other Ray here
+    cmd = [sys.executable, "-P", "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
+           "--port", str(gcs), "--ray-client-server-port", str(client), "--dashboard-port", str(dashboard),
+           "--dashboard-agent-listen-port", "0", "--include-dashboard", "false",
+           "--num-cpus", str(ray_config.num_cpus if ray_config.num_cpus is not None else os.cpu_count())]
+    if ray_config.num_gpus is not None:
+        cmd += ["--num-gpus", str(ray_config.num_gpus)]
+    if ray_config.resources:
+        cmd += ["--resources", json.dumps(dict(ray_config.resources))]
+    # One machine: the workers serve gRPC on loopback (the replicas inherit the head's environment).
+    env = {**os.environ, WORKER_HOST_ENV: os.environ.get(WORKER_HOST_ENV, "127.0.0.1")}
+    log.info("starting Ray on this machine (resources: %s)", ray_config.resources or "none declared")
+    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env, start_new_session=True, preexec_fn=die_with_parent)
+    head = RayHead(process, f"127.0.0.1:{gcs}")
+    threading.Thread(target=_follow_head, args=(head,), name="ray-head-output", daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not head.started.wait(0.2):
+        if not head.alive() or time.monotonic() > deadline:
+            code = head.process.returncode
+            stop_head(head)
+            why = f"exited with status {code}" if code is not None else f"was not up after {timeout_s:.0f} s"
+            raise RuntimeError(f"Ray did not start: ray start {why}; its last output:\n" + "\n".join(head.output))
+    return head
+
+
+def _follow_head(head: RayHead) -> None:
+    """Keep the head's output (debug log, last lines for errors) and notice when it is up."""
+    for line in head.process.stdout:
+        line = ANSI.sub("", line.rstrip())
+        head.output.append(line)
+        log.debug("ray: %s", line)
+        if HEAD_STARTED in line:
+            head.started.set()
+
+
+def stop_head(head: RayHead, timeout_s: float = 30.0) -> int | None:
+    """SIGTERM the head (it stops its own processes), SIGKILL its session's group if it lingers."""
+    if head.alive():
+        head.process.terminate()
+    try:
+        return head.process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        log.warning("Ray (pid %d) did not stop in %.0f s; killing its processes", head.process.pid, timeout_s)
+        os.killpg(head.process.pid, signal.SIGKILL)  # its session's leader: its pid is the group's id
+        return head.process.wait()
+
+
+@contextlib.contextmanager
+def _neutral_cwd():
+    """Run ray.init from an empty directory: Ray puts the driver's working directory on every
+    worker's sys.path, and a stray folder named ``pdserve`` there (a clone's parent) would shadow
+    the installed package in every replica."""
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="pdserve-") as empty:
+        os.chdir(empty)
+        try:
+            yield
+        finally:
+            os.chdir(here)
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def check_placement(config, node_resources: list[dict[str, float]] | None = None) -> None:
@@ -101,13 +224,25 @@ def run_app(config, blocking: bool = False):
     return serve.run(app, name=config.ray.app_name, route_prefix="/", blocking=blocking)
 
 
-def shutdown(config, started: bool) -> None:
-    """Delete the application (every replica drains), then stop Ray if we started it."""
+def shutdown(config, head: RayHead | None) -> bool:
+    """Delete the application (every replica drains), then stop the head if we started it.
+
+    Returns whether the drain could run: False when the Ray we started had died under us.
+    """
     ray, serve = _import_ray()
-    try:
-        serve.delete(config.ray.app_name)
-    except Exception:
-        log.exception("deleting the Serve application failed")
-    if started:
-        serve.shutdown()
-        ray.shutdown()
+    drained = head is None or head.alive()
+    if drained:
+        try:
+            serve.delete(config.ray.app_name)
+        except Exception:
+            log.exception("deleting the Serve application failed")
+            drained = False
+        if head is not None:
+            serve.shutdown()
+    else:
+        log.error("Ray's processes were stopped under pdserve serve (ray start exited with status %s); the "
+                  "replicas could not drain", head.process.returncode)
+    ray.shutdown()
+    if head is not None:
+        stop_head(head)
+    return drained

@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import signal
 import threading
 
 from pdserve.configs import add_arguments, collect_arguments, from_dict, to_flags
@@ -56,9 +55,13 @@ def _registration_options(store) -> dict:
     return {"redis": store.url, "heartbeat_s": store.heartbeat_s, "ttl_s": store.ttl_s}
 
 
-def _run_router(router_config, model: str, addresses: list[str], store=None) -> None:
+def _run_router(router_config, model: str, addresses: list[str], store=None, sock=None,
+                on_signal=None, grace_s: float = 30.0, ready_timeout_s: float | None = None) -> bool:
+    """Serve the router until a signal. With ``ready_timeout_s``, a thread prints the ready line once
+    /ready answers 200, or gives up after that long and stops the server: then returns False."""
     import uvicorn
 
+    from pdserve.cluster.startup import RouterServer
     from pdserve.engine.tokenizer import load_tokenizer
     from pdserve.router.app import Router
     from pdserve.router.pool import WorkerPool
@@ -71,10 +74,28 @@ def _run_router(router_config, model: str, addresses: list[str], store=None) -> 
 
         discovery = StoreDiscovery(pool, make_state_store(store), router_config.poll_interval_s, store.ttl_s)
     router = Router(router_config, pool, load_tokenizer(model), model, discovery)
-    server = uvicorn.Server(uvicorn.Config(router.create_app(), host=router_config.host, port=router_config.port,
-                                           log_level="warning", timeout_graceful_shutdown=30))
+    server = RouterServer(uvicorn.Config(router.create_app(), host=router_config.host, port=router_config.port,
+                                         log_level="warning", timeout_graceful_shutdown=grace_s), on_signal)
     log.info("router on http://%s:%d, workers: %s", router_config.host, router_config.port, ", ".join(addresses))
-    server.run()
+    gave_up = threading.Event()
+    if ready_timeout_s is not None:
+        threading.Thread(target=_announce_when_ready, args=(server, model, router_config, ready_timeout_s, gave_up),
+                         name="ready-line", daemon=True).start()
+    server.run(sockets=[sock] if sock is not None else None)
+    return not gave_up.is_set()
+
+
+def _announce_when_ready(server, model: str, router_config, timeout_s: float, gave_up: threading.Event) -> None:
+    from pdserve.cluster.startup import announce, local_url, wait_until_ready
+
+    url = local_url(router_config.host, router_config.port)
+    try:
+        if wait_until_ready(url, timeout_s, stopped=lambda: server.should_exit):
+            announce(model, url, "plain processes")
+    except TimeoutError as e:
+        log.error("%s; stopping", e)
+        gave_up.set()
+        server.should_exit = True
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -86,7 +107,14 @@ def cmd_router(args: argparse.Namespace) -> int:
     if not args.worker and cluster.state_store.backend == "memory":
         raise ValueError("give the workers' addresses (--worker HOST:PORT) or a state store to find them in "
                          "(--redis URL, or state_store in --config)")
-    _run_router(cluster.router, cluster.engine.model, args.worker or [], cluster.state_store)
+    from pdserve.cluster.startup import bind_port, on_stop_signals
+
+    sock = bind_port(cluster.router.host, cluster.router.port)
+    on_stop_signals(_stop_now)
+    try:
+        _run_router(cluster.router, cluster.engine.model, args.worker or [], cluster.state_store, sock=sock)
+    finally:
+        sock.close()
     return 0
 
 
@@ -102,6 +130,8 @@ def _serve_overrides(args: argparse.Namespace) -> dict:
                  "ray": {"address": args.ray_address} if args.ray_address else {}}
     if args.launcher:
         overrides["launcher"] = args.launcher
+    if args.ready_timeout_s is not None:
+        overrides["ready_timeout_s"] = args.ready_timeout_s
     return overrides
 
 
@@ -112,17 +142,11 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exit_on_sigterm() -> None:
-    """SIGTERM becomes SystemExit, so ``finally`` blocks (stopping the workers) run.
-
-    uvicorn takes SIGTERM while it serves and, once shut down, raises it again with the
-    handler it found: with the default one the process would die before its cleanup.
-    """
-
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
+def _stop_now() -> None:
+    """A stop signal before or after the router serves: unwind to the ``finally`` that drains the
+    workers. Asked-for stops exit 0 (uvicorn, which takes signals while it serves, re-raises the
+    one it got once it has shut down, and it lands here)."""
+    raise SystemExit(0)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -135,48 +159,95 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve_on_ray(cluster) -> int:
     """The pools as Ray Serve deployments, the router behind Serve's HTTP proxy; until SIGTERM/SIGINT."""
     from pdserve.cluster import ray_launcher
+    from pdserve.cluster.startup import check_port, on_stop_signals
 
-    started = ray_launcher.connect(cluster.ray)
+    check_port(cluster.router.host, cluster.router.port)  # before Ray starts: Serve's proxy binds it later
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
-        signal.signal(sig, lambda *_: stop.set())
+    on_stop_signals(stop.set)
+    head = ray_launcher.connect(cluster.ray)
+    on_stop_signals(stop.set)  # again: ray.init installs its own SIGTERM handler
+    code = 0
     try:
         ray_launcher.check_placement(cluster)
         if not stop.is_set():
-            ray_launcher.run_app(cluster)
-            log.info("serving %s on http://%s:%d (Ray Serve application %r)", cluster.engine.model,
-                     cluster.router.host, cluster.router.port, cluster.ray.app_name)
-            print(f"PDSERVE_READY http://{cluster.router.host}:{cluster.router.port}", flush=True)
-        while not stop.wait(0.5):
-            pass
+            code = _deploy_and_announce(cluster, stop)
+        while code == 0 and not stop.wait(0.5):
+            if head is not None and not head.alive():
+                log.error("Ray (pid %d) exited with status %s under pdserve serve", head.process.pid,
+                          head.process.returncode)
+                code = 1
         log.info("stopping: the replicas drain (up to grace_s)")
     finally:
-        ray_launcher.shutdown(cluster, started)
+        drained = ray_launcher.shutdown(cluster, head)
+    return code if drained else 1
+
+
+def _deploy_and_announce(cluster, stop: threading.Event) -> int:
+    """Deploy the application (in a thread: a signal must not wait for every replica to load), then
+    print the ready line once the router's /ready answers 200. Non-zero if either fails."""
+    from pdserve.cluster import ray_launcher
+    from pdserve.cluster.startup import announce, local_url, wait_until_ready
+
+    failure: list[BaseException] = []
+
+    def deploy():
+        try:
+            ray_launcher.run_app(cluster)
+        except Exception as e:  # noqa: BLE001 - reported below, unless we were stopping anyway
+            if not stop.is_set():
+                failure.append(e)
+                stop.set()
+
+    threading.Thread(target=deploy, name="deploy", daemon=True).start()
+    url = local_url(cluster.router.host, cluster.router.port)
+    try:
+        if wait_until_ready(url, cluster.ready_timeout_s, stopped=stop.is_set):
+            announce(cluster.engine.model, url, f"Ray Serve application {cluster.ray.app_name!r}")
+    except TimeoutError as e:
+        log.error("%s; stopping", e)
+        return 1
+    if failure:
+        log.error("deploying the Serve application failed: %s", failure[0])
+        return 1
     return 0
 
 
 def _serve_processes(cluster) -> int:
-    from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready
+    from pdserve.cluster.launcher import signal_workers, start_worker, stop_workers, wait_ready
+    from pdserve.cluster.startup import bind_port, on_stop_signals
 
+    sock = bind_port(cluster.router.host, cluster.router.port)  # a taken port: refused before any model loads
+    grace_s = max(cluster.pools.prefill.grace_s, cluster.pools.decode.grace_s)
+    on_stop_signals(_stop_now)
+    workers = []
+    try:
+        for role, flags in _worker_commands(cluster, grace_s):
+            workers.append(start_worker(role, flags))
+        log.info("starting %d prefill and %d decode worker(s) with %s", cluster.pools.prefill.replicas,
+                 cluster.pools.decode.replicas, cluster.engine.model)
+        wait_ready(workers, timeout_s=cluster.ready_timeout_s)
+        served = _run_router(cluster.router, cluster.engine.model, [w.address for w in workers], cluster.state_store,
+                             sock=sock, on_signal=lambda: signal_workers(workers), grace_s=grace_s,
+                             ready_timeout_s=cluster.ready_timeout_s)
+    finally:
+        sock.close()
+        stop_workers(workers, grace_s=grace_s + 5.0)  # signalled with the router: draining already
+    return 0 if served else 1
+
+
+def _worker_commands(cluster, grace_s: float) -> list[tuple[str, list[str]]]:
+    """(role, flags) of every worker process: the engine's options, the transfer's, registration."""
     n_prefill, n_decode = cluster.pools.prefill.replicas, cluster.pools.decode.replicas
     engine_options = dataclasses.asdict(cluster.engine)
     if cluster.engine.num_threads is None:
         engine_options["num_threads"] = max(1, (os.cpu_count() or 1) // (n_decode + n_prefill))
     flags = to_flags({**engine_options, "load_progress": False})
-    worker_flags = ["--host", "127.0.0.1", "--port", "0", *flags, "--kv-lease-ms", str(cluster.kv_transfer.lease_ms),
+    worker_flags = ["--host", "127.0.0.1", "--port", "0", "--grace-s", str(grace_s), *flags,
+                    "--kv-lease-ms", str(cluster.kv_transfer.lease_ms),
                     "--kv-reservation-ttl-ms", str(cluster.kv_transfer.reservation_ttl_ms),
                     *to_flags(_registration_options(cluster.state_store))]
-    _exit_on_sigterm()
-    roles = ["prefill"] * n_prefill + ["decode"] * n_decode
     decode_flags = ["--kv-backend", cluster.kv_transfer.backend]
-    workers = [start_worker(role, worker_flags + (decode_flags if role == "decode" else [])) for role in roles]
-    try:
-        log.info("starting %d prefill and %d decode worker(s) with %s", n_prefill, n_decode, cluster.engine.model)
-        wait_ready(workers)
-        _run_router(cluster.router, cluster.engine.model, [w.address for w in workers], cluster.state_store)
-    finally:
-        stop_workers(workers)
-    return 0
+    return [("prefill", worker_flags)] * n_prefill + [("decode", worker_flags + decode_flags)] * n_decode
 
 
 CONFIG_HELP = "a cluster YAML file (see deploy/examples/); flags override its values"
@@ -185,6 +256,8 @@ REDIS_HELP = ("share state in the Redis at this URL (redis://host:port/db): work
 
 
 def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    from pdserve.cluster.config import ServeConfig
+    from pdserve.configs import field_help
     from pdserve.router.app import RouterConfig
 
     parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
@@ -204,6 +277,8 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                              "worker, fixed counts) (default: ray)")
     parser.add_argument("--ray-address", metavar="ADDRESS", default=None,
                         help="join this Ray cluster (auto, or ray://head:10001) instead of starting Ray here")
+    parser.add_argument("--ready-timeout-s", type=float, default=None, metavar="SECONDS",
+                        help=f"{field_help(ServeConfig, 'ready_timeout_s')} (default: {ServeConfig.ready_timeout_s:g})")
     add_arguments(parser.add_argument_group("router"), RouterConfig)
     add_arguments(parser.add_argument_group("engine (every worker)"), EngineConfig)
 

@@ -1,13 +1,16 @@
-"""`pdserve serve` as a user runs it: it serves, and stops all its processes on SIGTERM or SIGKILL."""
+"""`pdserve serve` as a user runs it: served from its ready line on, a taken port refused at once, every process
+stopped (exit 0) on SIGTERM or Ctrl-C to serve or to its process group, none left after a SIGKILL."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -36,22 +39,39 @@ def alive(pid: int) -> bool:
     return s is not None and s[0] != "Z"
 
 
-def start_serve(*flags: str) -> tuple[subprocess.Popen, str]:
+def start_serve(*flags: str, launcher: str = "processes", cwd: str | None = None, env: dict | None = None,
+                command: list[str] | None = None, timeout: float = 180) -> tuple[subprocess.Popen, str]:
+    """``pdserve serve`` in a session of its own (so a test can signal its whole process group), returned
+    once it prints its ready line: from then on, requests must be served."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "serve",
-                             "--launcher", "processes", "--port", str(port), "--model", "random:tiny",
-                             "--num-kv-blocks", "64", *flags])
+    command = command or [sys.executable, "-m", "pdserve.cluster.cli"]
+    proc = subprocess.Popen([*command, "--log-level", "WARNING", "serve", "--launcher", launcher, "--port", str(port),
+                             "--model", "random:tiny", "--num-kv-blocks", "64", *flags],
+                            stdout=subprocess.PIPE, text=True, cwd=cwd, env=env, start_new_session=True)
+    ready = threading.Event()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    proc.wait()
-    raise TimeoutError("pdserve serve did not become ready")
+
+    def follow():  # drained until the end: the workers' output comes through serve's stdout
+        with proc.stdout:
+            for line in proc.stdout:
+                if line.startswith(f"PDSERVE_READY {url}"):
+                    ready.set()
+
+    threading.Thread(target=follow, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"pdserve serve printed no ready line (exit status {proc.returncode})")
+    return proc, url
+
+
+def complete(url: str, prompt: str = "hi", max_tokens: int = 3) -> None:
+    r = httpx.post(url + "/v1/completions", json={"model": "random:tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                  "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == max_tokens
 
 
 def wait_gone(pids: list[int], seconds: float = 40) -> bool:
@@ -63,18 +83,6 @@ def wait_gone(pids: list[int], seconds: float = 40) -> bool:
     return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_serve_stops_every_process(sig):
-    proc, url = start_serve("--decode", "2")
-    workers = children(proc.pid)
-    assert len(workers) == 3  # one prefill worker (the default) and two decode workers
-    r = httpx.post(url + "/v1/completions", json={"model": "random:tiny", "prompt": "hi", "max_tokens": 3}, timeout=60)
-    assert r.status_code == 200
-    proc.send_signal(sig)
-    proc.wait(60)
-    assert wait_gone(workers), "a worker outlived pdserve serve"
-
-
 def descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
@@ -84,38 +92,94 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+GRACE_S = 30.0  # pools.<role>.grace_s's default: a stop must end within it and a few seconds
+
+
+def stop(proc: subprocess.Popen, sig: int, target: str) -> float:
+    """Send ``sig`` to serve's pid or to its whole process group (a shell's Ctrl-C, a supervisor);
+    returns how long it took to exit."""
+    start = time.monotonic()
+    if target == "group":
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    proc.wait(GRACE_S + 30)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("sig,target", [(signal.SIGTERM, "pid"), (signal.SIGINT, "pid"), (signal.SIGTERM, "group"),
+                                        (signal.SIGINT, "group"), (signal.SIGKILL, "pid")])
+def test_serve_stops_every_process(sig, target):
+    """The first request right after the ready line is served; a stop exits 0 (asked for: SIGTERM or
+    SIGINT, to serve or to its group) within the grace period, and no worker outlives serve."""
+    proc, url = start_serve("--decode", "2")
+    workers = children(proc.pid)
+    assert len(workers) == 3  # one prefill worker (the default) and two decode workers
+    complete(url)
+    took = stop(proc, sig, target)
+    if sig != signal.SIGKILL:
+        assert proc.returncode == 0
+        assert took < GRACE_S + 5
+    assert wait_gone(workers), "a worker outlived pdserve serve"
+
+
+def test_workers_do_not_import_a_pdserve_folder_in_the_working_directory(tmp_path):
+    """Run from a clone's parent (a folder named pdserve beside us): the workers still import the
+    installed package, not that folder as a namespace package (every request answered 503)."""
+    (tmp_path / "pdserve").mkdir()
+    entry_point = os.path.join(os.path.dirname(sys.executable), "pdserve")
+    proc, url = start_serve("--prefill", "1", cwd=str(tmp_path), command=[entry_point])
+    try:
+        complete(url, "hello " * 40)  # long enough for the prefill worker
+    finally:
+        stop(proc, signal.SIGTERM, "pid")
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("launcher", ["processes", "ray"])
+def test_a_taken_port_is_refused_before_anything_starts(launcher):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        out = subprocess.run([sys.executable, "-m", "pdserve.cluster.cli", "serve", "--launcher", launcher, "--port",
+                              str(port), "--model", "random:tiny"], capture_output=True, text=True, timeout=120,
+                             env=env)
+    assert out.returncode == 2
+    # One line naming the port, and nothing logged before it: no worker, no Ray, no model was started.
+    assert out.stderr.strip().splitlines() == [f"pdserve serve: error: router.port: port {port} on 127.0.0.1 is "
+                                               f"already in use; stop what holds it or choose another (--port)"]
+
+
 @pytest.mark.slow
-def test_serve_on_ray_serves_and_stops_every_process():
-    """The default launcher: a local Ray instance (its own processes), the pools as Serve replicas."""
-    port = free_port()
+def test_serve_on_ray_serves_after_its_ready_line_and_stops_on_a_group_sigterm(tmp_path):
+    """The default launcher: a local Ray instance (its own processes), the pools as Serve replicas.
+
+    Run from a directory holding a folder named pdserve (Ray puts the driver's directory on its
+    workers' path); the first request right after the ready line is served; SIGTERM to serve's
+    whole process group (a shell, a supervisor) reaches serve but not Ray's processes, so the
+    replicas drain and serve exits 0 within the grace period, leaving nothing running.
+    """
+    (tmp_path / "pdserve").mkdir()
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "serve",
-                             "--port", str(port), "--model", "random:tiny", "--num-kv-blocks", "64"], env=env)
-    url = f"http://127.0.0.1:{port}"
+    entry_point = os.path.join(os.path.dirname(sys.executable), "pdserve")
+    proc, url = start_serve(launcher="ray", cwd=str(tmp_path), env=env, command=[entry_point], timeout=300)
+    ray_processes: list[int] = []
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "pdserve serve exited"
-            try:
-                r = httpx.get(url + "/ready", timeout=1)
-                if r.status_code == 200 and len([w for w in r.json()["workers"] if w["healthy"]]) == 2:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise TimeoutError("pdserve serve (Ray) did not become ready")
-        r = httpx.post(url + "/v1/completions", json={"model": "random:tiny", "prompt": "hi " * 200,
-                                                      "max_tokens": 3}, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        ray_processes = descendants(proc.pid)  # gcs, raylet, the replicas' workers, ...
+        complete(url, "hi " * 200)  # long: prefilled on the prefill pool
+        ray_processes = descendants(proc.pid)  # ray start, gcs, raylet, the replicas' workers, ...
         assert len(ray_processes) >= 5
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(90) == 0
-        assert wait_gone(ray_processes, 60), "a Ray process outlived pdserve serve"
+        took = stop(proc, signal.SIGTERM, "group")
+        assert proc.returncode == 0
+        assert took < GRACE_S + 10
+        assert wait_gone(ray_processes, 30), "a Ray process outlived pdserve serve"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for pid in ray_processes:  # in their own session: nothing else would stop them
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
         shutil.rmtree(ray_tmp, ignore_errors=True)
