@@ -59,8 +59,8 @@ class WorkerConfig:
     worker_id: str = doc("", "name in load snapshots and logs (default: role-host-port)")
     metrics_port: int | None = doc(None, "serve Prometheus metrics over HTTP on this port (default: off)")
     grace_s: float = doc(30.0, "on SIGTERM, how long in-flight requests may take to finish")
-    kv_lease_ms: int = doc(10000, "decode: how long a transfer may take from its first chunk before the prompt "
-                                  "is computed here instead")
+    kv_lease_ms: int = doc(10000, "decode: how long a transfer may go without a chunk (each renews the lease) "
+                                  "before the prompt is computed here instead")
     kv_reservation_ttl_ms: int = doc(120000, "decode: how long reserved blocks wait for their transfer to begin "
                                              "(the prompt may queue on a busy prefill worker) before they are "
                                              "released")

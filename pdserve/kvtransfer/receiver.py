@@ -2,9 +2,10 @@
 
     receiver.expect(handle, block_ids, skip_blocks, lease_s)   # at reservation
     receiver.begin(handle, sender_layout)                      # handshake: layouts must match
-    receiver.chunk(handle, layer, first_block, keys, values, crc)  # any order, any thread
+    receiver.chunk(handle, layer, first_block, keys, values, crc)  # any order, any thread; each
+                                                               # renews the lease
     receiver.commit(handle)                                    # every (layer, block) seen?
-    ok, reason = await receiver.wait(handle)                   # DONE, FAILED, or the lease ran out
+    ok, reason = await receiver.wait(handle)       # DONE, FAILED, or lease_s passed without a chunk
 
 Chunks are written straight into the reserved blocks of the cache: nothing else reads those
 blocks until the transfer is done (they are not offered to prefix hits), so writing from the
@@ -30,8 +31,11 @@ class Incoming:
     handle: str
     block_ids: list[int]
     skip_blocks: int  # leading blocks already cached here: not sent
-    deadline: float  # time.monotonic(): waiting for the transfer to begin, then the lease from its beginning
+    # time.monotonic(): ``wait_s`` for the transfer to begin; while it runs, ``lease_s`` past its
+    # latest chunk (the lease is renewed by progress); once done, ``wait_s`` for its request
+    deadline: float
     lease_s: float = 10.0
+    wait_s: float = 10.0
     state: TransferState = TransferState.WAITING
     reason: str | None = None  # why it failed
     error: str | None = None
@@ -57,10 +61,15 @@ class KVReceiver:
     def expect(self, handle: str, block_ids: list[int], skip_blocks: int, lease_s: float,
                wait_s: float | None = None) -> Incoming:
         """Reserve ``block_ids`` for ``handle``: they wait ``wait_s`` (default ``lease_s``) for the
-        transfer to begin (the prompt may queue on a busy prefill worker), then ``lease_s`` from
-        its first chunk for it to complete."""
+        transfer to begin (the prompt may queue on a busy prefill worker); then the transfer
+        fails once ``lease_s`` pass without a chunk.
+
+        Why a lease renewed by every chunk, not a deadline from the first: chunks come as the
+        prefill computes (each layer as it finishes), so a transfer lasts as long as the step
+        that computes the prompt, seconds for a long prompt and more on a loaded machine; what
+        the lease must catch is a sender that stopped, not one that computes."""
         wait = lease_s if wait_s is None else max(wait_s, lease_s)
-        incoming = Incoming(handle, list(block_ids), skip_blocks, time.monotonic() + wait, lease_s)
+        incoming = Incoming(handle, list(block_ids), skip_blocks, time.monotonic() + wait, lease_s, wait)
         if incoming.expected_blocks == 0:  # everything was cached here already
             self._finish(incoming, TransferState.DONE)
         with self._lock:
@@ -88,7 +97,7 @@ class KVReceiver:
         if incoming.state is TransferState.WAITING:
             incoming.state = TransferState.TRANSFERRING
             incoming.started = time.monotonic()
-            incoming.deadline = incoming.started + incoming.lease_s  # the lease runs from the first chunk
+            incoming.deadline = incoming.started + incoming.lease_s
         return incoming
 
     def chunk(self, handle: str, layer: int, first_block: int, keys, values, crc: int | None) -> None:
@@ -117,6 +126,7 @@ class KVReceiver:
             _copy(cache_v[block], v_src[j])
         incoming.bytes += 2 * n * per_block * self.kv_cache.element_size()
         incoming.seen.setdefault(layer, set()).update(range(first_block, first_block + n))
+        incoming.deadline = time.monotonic() + incoming.lease_s  # progress renews the lease
 
     def commit(self, handle: str) -> None:
         incoming = self.get(handle)
@@ -124,6 +134,7 @@ class KVReceiver:
         missing = [layer for layer in range(self.layout.num_layers) if incoming.seen.get(layer, set()) != want]
         if missing:
             raise self._failure(handle, "incomplete", f"commit with layers {missing[:5]} incomplete")
+        incoming.deadline = time.monotonic() + incoming.wait_s  # the KV is here: it waits for its request
         self._finish(incoming, TransferState.DONE)
 
     def fail(self, handle: str, reason: str, message: str) -> None:

@@ -31,8 +31,9 @@ def workload(n: int = 32, seed: int = 0) -> list[list[int]]:
     return out
 
 
-async def _complete(url: str, prompt: list[int], max_tokens: int) -> tuple[str, list[str]]:
-    """Stream one completion; (text, chunks)."""
+async def _complete(url: str, prompt: list[int], max_tokens: int,
+                    first: asyncio.Event | None = None) -> tuple[str, list[str]]:
+    """Stream one completion; (text, chunks). ``first`` is set when its first chunk arrives."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     chunks = []
@@ -46,6 +47,8 @@ async def _complete(url: str, prompt: list[int], max_tokens: int) -> tuple[str, 
                 chunk = json.loads(line[6:])
                 assert "error" not in chunk, chunk
                 chunks.extend(c["text"] for c in chunk["choices"] if c["text"])
+                if first is not None:
+                    first.set()
     return "".join(chunks), chunks
 
 
@@ -122,8 +125,10 @@ def test_prefill_worker_killed_mid_transfer(colocated_texts):
         prompts = workload()[:4]
 
         async def main():
-            tasks = [asyncio.create_task(_complete(cluster.base_url, p, 16)) for p in prompts]
-            await asyncio.sleep(3.0)  # first tokens sent, transfers stalled
+            firsts = [asyncio.Event() for _ in prompts]
+            tasks = [asyncio.create_task(_complete(cluster.base_url, p, 16, first=e)) for p, e in zip(prompts, firsts)]
+            # Every first token streamed: the prompts are computed, their transfers stalled before the commit.
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 120)
             cluster.workers[0].process.send_signal(signal.SIGKILL)
             return [t for t, _ in await asyncio.wait_for(asyncio.gather(*tasks), 120)]
 

@@ -3,10 +3,12 @@ receiver, outputs token-identical to colocated serving; transfer faults caught b
 
 from __future__ import annotations
 
+import asyncio
 import random
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from pdserve.engine import SamplingParams
 from pdserve.kvtransfer.base import KVLayout, TransferError, TransferState
@@ -97,8 +99,6 @@ def test_handshake_refuses_a_different_layout(make_engine):
 
 
 def test_receiver_catches_bad_chunks(make_engine):
-    import torch
-
     decode = make_engine()
     layout = layout_of(decode)
     receiver = KVReceiver(decode.runner.kv_cache, layout)
@@ -144,7 +144,6 @@ def test_float_and_quantized_workers_refuse_each_other(make_engine):
 def test_the_lease_runs_from_the_first_chunk(make_engine):
     """A reservation waits ``wait_s`` for its transfer to begin (a queued prompt), then the
     lease bounds the transfer from its first chunk."""
-    import asyncio
     import time
 
     decode = make_engine()
@@ -156,5 +155,33 @@ def test_the_lease_runs_from_the_first_chunk(make_engine):
     receiver.begin("x", layout_of(decode))
     assert incoming.deadline - time.monotonic() <= 0.2
     assert asyncio.run(receiver.wait("x")) == (False, "lease_expired")
+    receiver.release("x")
+    decode.abort_request("x")
+
+def test_every_chunk_renews_the_lease(make_engine):
+    """Chunks come as the prefill computes, so a transfer lasts as long as its prompt's prefill
+    (a long prompt, a loaded machine): each chunk renews the lease; a commit leaves the blocks
+    waiting for their request as long as a reservation waits for its transfer."""
+    import time
+
+    decode = make_engine()
+    layout = layout_of(decode)
+    receiver = KVReceiver(decode.runner.kv_cache, layout)
+    request = decode.make_request("x", list(range(100, 140)), GREEDY)  # 3 blocks
+    incoming = receiver.expect("x", decode.reserve_remote_request(request), 0, lease_s=5.0, wait_s=60.0)
+    receiver.begin("x", layout)
+    first_deadline = incoming.deadline
+    per_block = decode.runner.kv_cache[0, 0, 0].numel()
+    block = torch.zeros(3, per_block)
+    for layer in range(layout.num_layers):
+        while time.monotonic() <= first_deadline - 5.0 + 0.05 * (layer + 1):  # let time pass, however slowly
+            time.sleep(0.01)
+        before = time.monotonic()
+        receiver.chunk("x", layer, 0, block, block, None)
+        assert incoming.deadline >= before + 5.0
+    assert receiver.expired(first_deadline + 0.01) == []  # past the first chunk's lease, still alive
+    receiver.commit("x")
+    assert incoming.deadline >= time.monotonic() + 50
+    assert asyncio.run(receiver.wait("x")) == (True, None)
     receiver.release("x")
     decode.abort_request("x")
