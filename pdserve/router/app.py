@@ -44,12 +44,15 @@ from pdserve.router.pool import WorkerPool
 from pdserve.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
     field_of_engine_error,
     parse_body,
+    parse_tokenize,
     validation_error,
 )
 from pdserve.router.responses import SSE_DONE, Choice, Formatter, usage
+from pdserve.router.tokenization import detokenize, tokenize
 from pdserve.router.worker_client import NoWorkerError, WorkerLostError, sampling_to_proto
 
 log = logging.getLogger(__name__)
@@ -163,7 +166,8 @@ class Router:
             return Response(generate_latest(self.metrics.registry), media_type="text/plain; version=0.0.4")
 
         plain = {"/v1/chat/completions": partial(self._generate, "chat", ChatCompletionRequest),
-                 "/v1/completions": partial(self._generate, "completions", CompletionRequest)}
+                 "/v1/completions": partial(self._generate, "completions", CompletionRequest),
+                 "/tokenize": self._tokenize, "/detokenize": self._detokenize}
 
         async def asgi(scope, receive, send):
             # The endpoints that take a body are served as plain ASGI: per streamed token, the
@@ -220,10 +224,27 @@ class Router:
         body = await self._off_loop(len(raw), parse_body, model, raw)
         return await self._serve(kind, body, len(raw), started)
 
-    def _admit(self, body: ChatCompletionRequest | CompletionRequest) -> None:
-        if body.model != self.model_name:
-            raise OpenAIError(404, f"model {body.model!r} does not exist; served: {self.model_name!r}",
+    async def _tokenize(self, raw: bytes) -> dict:
+        body = await self._off_loop(len(raw), parse_tokenize, raw)
+        self._check_model(body.model)
+        answer = await self._off_loop(len(raw), tokenize, self.tokenizer, body, self.max_model_len)
+        self.metrics.requests.labels("/tokenize", "200").inc()
+        return answer
+
+    async def _detokenize(self, raw: bytes) -> dict:
+        body = await self._off_loop(len(raw), parse_body, DetokenizeRequest, raw)
+        self._check_model(body.model)
+        answer = await self._off_loop(len(raw), detokenize, self.tokenizer, body)
+        self.metrics.requests.labels("/detokenize", "200").inc()
+        return answer
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(404, f"model {model!r} does not exist; served: {self.model_name!r}",
                               type="not_found_error", param="model", code="model_not_found")
+
+    def _admit(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        self._check_model(body.model)
         if self.inflight >= self.config.max_concurrent_requests:
             raise OpenAIError(429, f"too many requests in flight ({self.inflight}); retry shortly",
                               type="rate_limit_error", code="rate_limit_exceeded",

@@ -145,11 +145,16 @@ class ChatCompletionRequest(_Sampling):
         return self.sampling_params(limit, (self.top_logprobs or 0) if self.logprobs else None)
 
     def template_messages(self) -> list[dict]:
-        out = []
-        for m in self.messages:
-            extra = {k: v for k, v in (m.model_extra or {}).items() if isinstance(v, str)}
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text(), **extra})
-        return out
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template takes them."""
+    out = []
+    for m in messages:
+        extra = {k: v for k, v in (m.model_extra or {}).items() if isinstance(v, str)}
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": m.text(), **extra})
+    return out
 
 
 class CompletionRequest(_Sampling):
@@ -184,6 +189,35 @@ class CompletionRequest(_Sampling):
         return self.sampling_params(self.max_tokens, self.logprobs)
 
 
+class TokenizeCompletionRequest(BaseModel):
+    """``POST /tokenize`` with a prompt (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """``POST /tokenize`` with messages, through the chat template (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the template holds the special tokens it wants
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
 def field_of_engine_error(e: InvalidRequestError, request: _Sampling) -> str:
     """The request field behind an engine validation error (names differ in a few places)."""
     if e.field == "max_tokens" and isinstance(request, ChatCompletionRequest) and request.max_completion_tokens:
@@ -197,12 +231,26 @@ def field_of_engine_error(e: InvalidRequestError, request: _Sampling) -> str:
 
 def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
     """A request body as ``model``; a 400 naming the field when it is not one."""
+    return _validate(model, _json_object(raw))
+
+
+def parse_tokenize(raw: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """A ``/tokenize`` body: with ``messages``, a chat; else a prompt."""
+    data = _json_object(raw)
+    return _validate(TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest, data)
+
+
+def _json_object(raw: bytes) -> dict:
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise OpenAIError(400, "the request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
+    return data
+
+
+def _validate(model: type[BaseModel], data: dict) -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as e:
