@@ -18,6 +18,7 @@ import os
 import time
 import uuid
 import weakref
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
@@ -76,6 +77,8 @@ class RouterConfig:
     max_body_bytes: int = doc(0, "largest request body accepted; a larger one is answered 413 before it is read "
                                  "(0: from the context length, max(1 MiB, max_model_len x 128 B + 64 KiB))")
     max_batch: int = doc(1024, "most completions one request may ask for (prompts x n); past it, a 400")
+    startup_wait_s: float = doc(60.0, "how long a request waits for a decode worker when none is in rotation "
+                                      "(the first still starting) before a 503; /ready answers 503 meanwhile")
 
 
 # Bodies up to this size are parsed and tokenised on the event loop (a millisecond or two); larger
@@ -94,7 +97,7 @@ class Router:
         self.metrics = RouterMetrics()
         disaggregation = DisaggregationConfig(config.disagg_min_prompt_tokens, config.disagg_min_uncached_tokens)
         self.dispatcher = Dispatcher(pool, POLICIES[config.policy](), least_queued_prefill, disaggregation,
-                                     self.metrics, waker=waker)
+                                     self.metrics, waker=waker, wait_for_worker_s=config.startup_wait_s)
         self.inflight = 0
         self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                             thread_name_prefix="router-prepare")
@@ -155,10 +158,10 @@ class Router:
 
         @app.get("/ready")
         async def ready():
-            workers = [{"address": w.address, "worker_id": w.worker_id, "healthy": w.healthy}
-                       for w in self.pool.workers]
-            ok = any(w.healthy for w in self.pool.workers)
-            return JSONResponse({"ready": ok, "workers": workers}, status_code=200 if ok else 503)
+            ok, reason = readiness(self.pool, self.dispatcher.waker)
+            workers = [{"address": w.address, "worker_id": w.worker_id, "role": w.info.role if w.info else None,
+                        "healthy": w.healthy} for w in self.pool.workers]
+            return JSONResponse({"ready": ok, "reason": reason, "workers": workers}, status_code=200 if ok else 503)
 
         @app.get("/metrics")
         async def metrics():
@@ -352,6 +355,20 @@ class Router:
     def _done(self) -> None:
         self.inflight -= 1
         self.metrics.in_flight.dec()
+
+
+def readiness(pool: WorkerPool, waker) -> tuple[bool, str]:
+    """Whether a request sent now will be served, and why: a decode worker is in rotation, or
+    the decode pool is at zero replicas and a request wakes it (scale from zero, on Ray). A
+    prefill worker alone serves nothing: every request ends on a decode worker."""
+    if pool.healthy("decode"):
+        return True, "a decode worker is in rotation"
+    if waker is not None and waker.can_wake("decode"):
+        return True, "no decode worker in rotation: the pool scales from zero, a request wakes it"
+    states = Counter(f"{w.info.role if w.info else 'unknown'} {'in rotation' if w.healthy else 'out of rotation'}"
+                     for w in pool.workers)
+    known = ", ".join(f"{n} {state}" for state, n in sorted(states.items())) or "none known yet"
+    return False, f"no decode worker in rotation (workers: {known})"
 
 
 class _Run:

@@ -112,10 +112,13 @@ def test_over_the_admission_limit_is_429_with_retry_after(served):
 
 
 def test_no_worker_up_is_503():
-    router, url = start_router([f"127.0.0.1:{free_port()}"], MODEL, ready=False)
+    router, url = start_router([f"127.0.0.1:{free_port()}"], MODEL, "--startup-wait-s", "1", ready=False)
     try:
-        assert httpx.get(url + "/ready").status_code == 503
+        r = httpx.get(url + "/ready")
+        assert r.status_code == 503 and "no decode worker in rotation" in r.json()["reason"]
+        started = time.monotonic()
         assert_error(post(url, {"model": MODEL, "messages": HI}), 503, code="no_worker_available")
+        assert time.monotonic() - started >= 1  # it waited --startup-wait-s for a decode worker first
         assert httpx.get(url + "/health").status_code == 200  # alive, just not ready
     finally:
         router.terminate()
