@@ -5,7 +5,8 @@
 ``/v1/completions`` and ``/v1/chat/completions`` stream ``max_tokens`` made-up tokens at a fixed
 rate. Each token's text is a stamp: the first ``"<r=RECEIVED><t=SENT>"``, the rest
 ``"<t=SENT>"`` (``time.time()`` seconds), so a client on the same machine can compare its own
-TTFT with the server's. Usage is reported when asked. ``GET /v1/models`` lists one model.
+TTFT with the server's. Usage is reported when asked. ``GET /v1/models`` lists one model;
+``GET /stats`` counts the streams answered to the end (``{"completed": N}``), which tests wait on.
 
 It speaks HTTP/1.1 straight off an ``asyncio.Protocol`` (keep-alive, chunked responses), so
 its stamps are taken within microseconds of the bytes arriving and leaving: what a client
@@ -23,9 +24,17 @@ import orjson
 MODEL = "timing-only-mock"
 
 
+class _Counts:
+    """What every connection of one server adds to."""
+
+    def __init__(self) -> None:
+        self.completed = 0
+
+
 class _Conn(asyncio.Protocol):
-    def __init__(self, gap: float):
+    def __init__(self, gap: float, counts: _Counts):
         self.gap = gap
+        self.counts = counts
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
         self.busy = False
@@ -58,6 +67,8 @@ class _Conn(asyncio.Protocol):
         try:
             if method == "GET" and path == "/v1/models":
                 self._whole(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+            elif method == "GET" and path == "/stats":
+                self._whole(200, {"completed": self.counts.completed})
             elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
                 await self._stream(path == "/v1/chat/completions", orjson.loads(body), received)
             else:
@@ -98,6 +109,7 @@ class _Conn(asyncio.Protocol):
             self._chunk(b"data: " + orjson.dumps({"id": "mock", "choices": [], "usage": usage}) + b"\n\n")
         self._chunk(b"data: [DONE]\n\n")
         self.transport.write(b"0\r\n\r\n")
+        self.counts.completed += 1
 
 
 def parse_stamps(text: str) -> tuple[float | None, list[float]]:
@@ -115,7 +127,8 @@ def parse_stamps(text: str) -> tuple[float | None, list[float]]:
 
 async def serve(host: str, port: int, tokens_per_s: float) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Conn(1.0 / tokens_per_s), host, port)
+    counts = _Counts()
+    server = await loop.create_server(lambda: _Conn(1.0 / tokens_per_s, counts), host, port)
     async with server:
         await server.serve_forever()
 

@@ -37,16 +37,27 @@ def mock_server():
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.bench.mock_server", "--port", str(port),
                              "--tokens-per-s", "50"])
     url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            httpx.get(url + "/v1/models", timeout=1)
-            break
-        except httpx.HTTPError:
-            time.sleep(0.1)
+    wait_for(lambda: completed(url) is not None, 60, "the mock server to answer")
     yield proc, url
     if proc.poll() is None:
         proc.kill()
     proc.wait()
+
+
+def completed(url: str) -> int | None:
+    """Streams the mock server has answered to the end (None: it does not answer yet)."""
+    try:
+        return httpx.get(url + "/stats", timeout=1).json()["completed"]
+    except httpx.HTTPError:
+        return None
+
+
+def wait_for(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {seconds} s waiting for {what}")
+        time.sleep(0.05)
 
 
 def test_server_dying_mid_run_keeps_partial_results(tmp_path, mock_server):
@@ -55,7 +66,9 @@ def test_server_dying_mid_run_keeps_partial_results(tmp_path, mock_server):
                             "--num-prompts", "40", "--request-rate", "10", "--random-output-len", "5",
                             "--random-input-len", "8", "--result-dir", str(tmp_path), "--label", "partial"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(2.0)
+    # Mid-run is an event, not a time: however long the CLI takes to start, the server dies once it
+    # has answered a few of the run's requests (40 arrive over ~4 s: most are still to come).
+    wait_for(lambda: (completed(url) or 0) >= 3 or run.poll() is not None, 120, "the run's first answers")
     proc.kill()  # the server dies; the remaining requests find nobody
     stdout, stderr = run.communicate(timeout=120)
     assert run.returncode == 3, stderr
