@@ -19,6 +19,8 @@ import logging
 import signal
 import socket
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 
 import uvicorn
@@ -28,6 +30,7 @@ from pdserve.configs import ConfigError
 log = logging.getLogger(__name__)
 READY_LINE = "PDSERVE_READY"
 PROGRESS_EVERY_S = 10.0
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # our own router: never through a proxy
 
 
 def bind_port(host: str, port: int) -> socket.socket:
@@ -79,30 +82,35 @@ def on_stop_signals(callback: Callable[[], None]) -> None:
 def wait_until_ready(url: str, timeout_s: float, stopped: Callable[[], bool], poll_s: float = 0.25) -> bool:
     """Poll ``url``/ready until it answers 200: True. False if ``stopped()`` first; TimeoutError after
     ``timeout_s`` naming what /ready last said. Logs progress every few seconds."""
-    import httpx
-
     start = time.monotonic()
     next_progress = start + PROGRESS_EVERY_S
     last = "no answer yet"
-    with httpx.Client(timeout=5.0) as client:
-        while not stopped():
-            try:
-                r = client.get(url + "/ready")
-                if r.status_code == 200:
-                    return True
-                last = f"{r.status_code} {r.text[:300]}"
-            except httpx.HTTPError as e:
-                last = f"{type(e).__name__}"
-            now = time.monotonic()
-            if now - start > timeout_s:
-                raise TimeoutError(f"not ready after {timeout_s:.0f} s: no decode worker joined the router's "
-                                   f"rotation (GET {url}/ready: {last})")
-            if now >= next_progress:
-                log.info("waiting for a decode worker to join the router's rotation (%.0f s; /ready: %s)",
-                         now - start, last)
-                next_progress = now + PROGRESS_EVERY_S
-            time.sleep(poll_s)
+    while not stopped():
+        status, last = _get(url + "/ready")
+        if status == 200:
+            return True
+        now = time.monotonic()
+        if now - start > timeout_s:
+            raise TimeoutError(f"not ready after {timeout_s:.0f} s: no decode worker joined the router's rotation "
+                               f"(GET {url}/ready: {last})")
+        if now >= next_progress:
+            log.info("waiting for a decode worker to join the router's rotation (%.0f s; /ready: %s)", now - start,
+                     last)
+            next_progress = now + PROGRESS_EVERY_S
+        time.sleep(poll_s)
     return False
+
+
+def _get(url: str) -> tuple[int | None, str]:
+    """(status, what it said), without a client library's per-request logging."""
+    try:
+        with _DIRECT.open(url, timeout=5) as r:
+            return r.status, r.read(300).decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, f"{e.code} {e.read(300).decode(errors='replace')}"
+    except (OSError, ValueError) as e:  # refused, reset, timed out: not up yet
+        return None, type(e).__name__
 
 
 class RouterServer(uvicorn.Server):
