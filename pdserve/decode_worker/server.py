@@ -196,8 +196,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker {self.worker_id}: no KV blocks free")
         block_ids, cached = got
         lease_s = (request.lease_ms or self.config.kv_lease_ms) / 1000
-        self.receiver.expect(request.request_id, block_ids, cached // self.layout.block_size, lease_s,
-                             self.config.kv_reservation_ttl_ms / 1000)
+        self.receiver.expect(request.request_id, block_ids, cached // self.layout.block_size,
+                             len(request.prompt_token_ids), lease_s, self.config.kv_reservation_ttl_ms / 1000)
         return pb.ReserveResponse(handle=request.request_id, cached_tokens=cached, layout=self.layout.to_proto(pb),
                                   kv_address=self.address, backend=self.config.kv_backend,
                                   backend_info=self.backend_info)
@@ -208,7 +208,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             async for chunk in request_iterator:
                 if handle is None:
                     handle = chunk.handle
-                    self.receiver.begin(handle, KVLayout.from_proto(chunk.layout))
+                    self.receiver.begin(handle, KVLayout.from_proto(chunk.layout), chunk.total_tokens)
                 if chunk.commit:
                     self.receiver.commit(handle)
                     return pb.PushKVResponse(ok=True)

@@ -77,8 +77,9 @@ class ModelRunner:
             qdtype = kv_quant.KV_CACHE_DTYPES[kv_cache_dtype]
             self.layer_caches = [kv_quant.layer_views(self.kv_cache, i, qdtype, block_size, hd)
                                  for i in range(cfg.num_layers)]
-        # Called after each layer with (layer index, the step's items); see LlamaForCausalLM.forward.
-        self.layer_hook: Callable[[int, list[ScheduledRequest]], None] | None = None
+        # Called before each step with the step's items; returns what to call after each layer
+        # (see LlamaForCausalLM.forward), or None when nothing is wanted from this step's layers.
+        self.layer_hook: Callable[[list[ScheduledRequest]], Callable[[int], None] | None] | None = None
         if kv_cache_dtype != "auto":
             from pdserve.engine.kv_quant import QuantizedKVAttention
 
@@ -151,8 +152,7 @@ class ModelRunner:
         # One-token requests first: the attention backend batches them together.
         items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
         input_ids, positions, meta, sample_rows = self.prepare_inputs(items)
-        hook = self.layer_hook
-        layer_done = None if hook is None else (lambda layer: hook(layer, items))
+        layer_done = None if self.layer_hook is None else self.layer_hook(items)
         if self.cuda_graphs is not None:
             hidden = self.cuda_graphs.forward(input_ids, positions, meta, layer_done)
         else:

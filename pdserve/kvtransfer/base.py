@@ -3,25 +3,35 @@
 Call protocol (one transfer = one request's prompt KV, prefill worker -> decode worker):
 
     decode worker                                   prefill worker
-    receiver.expect(handle, block_ids, layout,      (the router passes the Reserve answer on)
-                    skip_blocks, lease_s)
+    receiver.expect(handle, block_ids,              (the router passes the Reserve answer on)
+                    skip_blocks, num_tokens, lease_s)
                                                     session = sender.open(destination, layout,
                                                                           total_tokens)
-    handshake: layouts compared; a mismatch     <-  (first chunk carries the header)
-      fails the transfer naming both values
+    handshake: layouts compared, and the        <-  (first chunk carries the header)
+      sender's total_tokens with the reserved
+      prompt's; a mismatch fails the transfer
+      naming both values
     on_chunk(layer, first_block, k, v, crc)     <-  session.send_layer(layer, first_block, k, v)
-                                                     ... once per layer, as each layer finishes
-    commit: every layer of every block seen     <-  session.commit()        (exactly once)
-    -> TransferState.DONE                            session.abort(reason)   (instead, on failure)
+                                                     ... during every prefill step, for each
+                                                     layer as it finishes: the blocks that
+                                                     step completed (several chunks per layer
+                                                     for a prompt prefilled in several steps)
+    commit: every layer of every block seen,    <-  session.commit()        (exactly once)
+      none twice -> TransferState.DONE               session.abort(reason)   (instead, on failure)
     a bad checksum, a broken stream, or the lease running out -> TransferState.FAILED: the
     decode worker computes the prompt itself; the request's output is the same.
 
-Sessions are used from one thread (the prefill worker's engine thread); ``done`` (a
+Sessions are used from one thread at a time (the prefill worker's export thread); ``done`` (a
 ``concurrent.futures.Future``) resolves with (ok, error) on either side's terms.
+
+Wire versions: 1, a layer's blocks sent during the step that completed the prompt; 2, during
+the step that completes each block (a block partly filled by one chunk goes once the next
+completes it), each block of each layer exactly once, the header's token count checked.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import importlib
 import zlib
@@ -31,7 +41,9 @@ from typing import Protocol
 
 import torch
 
-WIRE_VERSION = 1
+from pdserve.kvtransfer.faults import KVFaults
+
+WIRE_VERSION = 2
 
 
 class TransferState(enum.Enum):
@@ -106,7 +118,20 @@ class SendSession(Protocol):
     def abort(self, reason: str) -> None: ...
 
 
+@dataclass(frozen=True)
+class SenderContext:
+    """What a prefill worker builds its senders from: ``sender_class(name).create(context)``."""
+
+    loop: asyncio.AbstractEventLoop  # the worker's event loop (the gRPC streams run on it)
+    worker_id: str  # names this sender to its receivers (the torch backend's process groups)
+    faults: KVFaults = KVFaults()  # tests only: faults injected into the sending path
+    local_hub: object = None  # the local backend's in-process receivers (a LocalHub), if any
+
+
 class KVSender(Protocol):
+    @classmethod
+    def create(cls, context: SenderContext) -> KVSender: ...
+
     def open(self, destination, layout: KVLayout, total_tokens: int) -> SendSession: ...
 
 
@@ -122,7 +147,8 @@ def register_backend(name: str, target: str) -> None:
     BACKENDS[name] = target
 
 
-def sender_class(name: str) -> type:
+def sender_class(name: str) -> type[KVSender]:
+    """The sender of backend ``name``, its module imported now; ValueError naming the known ones."""
     if name not in BACKENDS:
         raise ValueError(f"kv transfer backend: unknown {name!r}; known: {sorted(BACKENDS)}")
     module, _, attr = BACKENDS[name].partition(":")

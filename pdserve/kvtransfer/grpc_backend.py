@@ -1,8 +1,9 @@
 """The grpc backend: a client stream of KVChunk messages to the decode worker's PushKV.
 
-One chunk per layer, or per group of blocks of about 1 MiB for long prompts: the blocks' keys
-then values, in the cache's own layout (the only copy is the serialisation into the message). Sessions are fed from the
-engine's thread; the stream runs on the worker's event loop.
+One chunk per layer and prefill step, or per group of blocks of about 1 MiB for long chunks: the
+blocks' keys then values, in the cache's own layout (the only copy is the serialisation into the
+message). Sessions are fed from the prefill worker's export thread; the stream runs on the
+worker's event loop.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from concurrent.futures import Future
 import grpc
 import torch
 
-from pdserve.kvtransfer.base import KVLayout, checksum, tensor_bytes
+from pdserve.kvtransfer.base import KVLayout, SenderContext, checksum, tensor_bytes
 from pdserve.kvtransfer.faults import KVFaults
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
@@ -29,6 +30,10 @@ class GrpcSender:
         self.faults = faults
         self.timeout_s = timeout_s
         self._stubs: dict[str, pb_grpc.WorkerStub] = {}  # used from the event loop only
+
+    @classmethod
+    def create(cls, context: SenderContext) -> GrpcSender:
+        return cls(context.loop, context.faults)
 
     def stub(self, address: str) -> pb_grpc.WorkerStub:
         if address not in self._stubs:

@@ -8,7 +8,7 @@ from concurrent.futures import Future
 
 import torch
 
-from pdserve.kvtransfer.base import KVLayout, TransferError
+from pdserve.kvtransfer.base import KVLayout, SenderContext, TransferError
 from pdserve.kvtransfer.receiver import KVReceiver
 
 
@@ -26,19 +26,25 @@ class LocalSender:
     def __init__(self, hub: LocalHub):
         self.hub = hub
 
+    @classmethod
+    def create(cls, context: SenderContext) -> LocalSender:
+        if context.local_hub is None:
+            raise TransferError("backend", "the local backend sends only to receivers in this process (no hub here)")
+        return cls(context.local_hub)
+
     def open(self, destination, layout: KVLayout, total_tokens: int) -> LocalSession:
-        return LocalSession(self.hub.receivers[destination.kv_address], destination.handle, layout)
+        return LocalSession(self.hub.receivers[destination.kv_address], destination.handle, layout, total_tokens)
 
 
 class LocalSession:
-    def __init__(self, receiver: KVReceiver, handle: str, layout: KVLayout):
+    def __init__(self, receiver: KVReceiver, handle: str, layout: KVLayout, total_tokens: int):
         self.receiver = receiver
         self.handle = handle
         self.done: Future = Future()
         self.sent_bytes = 0
         self.started = time.monotonic()
         try:
-            receiver.begin(handle, layout)
+            receiver.begin(handle, layout, total_tokens)
         except TransferError as e:
             self.done.set_result((False, str(e)))
 

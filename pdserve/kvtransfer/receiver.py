@@ -1,10 +1,10 @@
 """The receiving side: reserved blocks waiting for their KV, written as chunks arrive.
 
-    receiver.expect(handle, block_ids, skip_blocks, lease_s)   # at reservation
-    receiver.begin(handle, sender_layout)                      # handshake: layouts must match
-    receiver.chunk(handle, layer, first_block, keys, values, crc)  # any order, any thread; each
-                                                               # renews the lease
-    receiver.commit(handle)                                    # every (layer, block) seen?
+    receiver.expect(handle, block_ids, skip_blocks, num_tokens, lease_s)  # at reservation
+    receiver.begin(handle, sender_layout, total_tokens)  # handshake: layouts, token counts must match
+    receiver.chunk(handle, layer, first_block, keys, values, crc)  # any order, any thread; each block
+                                                                   # once; each renews the lease
+    receiver.commit(handle)                                        # every (layer, block) seen?
     ok, reason = await receiver.wait(handle)       # DONE, FAILED, or lease_s passed without a chunk
 
 Chunks are written straight into the reserved blocks of the cache: nothing else reads those
@@ -31,6 +31,7 @@ class Incoming:
     handle: str
     block_ids: list[int]
     skip_blocks: int  # leading blocks already cached here: not sent
+    num_tokens: int  # prompt tokens the reservation holds: the sender's header must say the same
     # time.monotonic(): ``wait_s`` for the transfer to begin; while it runs, ``lease_s`` past its
     # latest chunk (the lease is renewed by progress); once done, ``wait_s`` for its request
     deadline: float
@@ -56,20 +57,23 @@ class KVReceiver:
         self.layout = layout
         self._incoming: dict[str, Incoming] = {}
         self._lock = threading.Lock()
-        self._np_dtype = torch.empty(0, dtype=kv_cache.dtype).numpy().dtype
+        # Chunks are bytes in the cache's own layout, whatever its dtype (numpy has no bfloat16):
+        # on the CPU they are copied into a byte view of the cache.
+        self._cache_bytes = kv_cache.view(torch.uint8).numpy() if kv_cache.device.type == "cpu" else None
+        self._block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
 
-    def expect(self, handle: str, block_ids: list[int], skip_blocks: int, lease_s: float,
+    def expect(self, handle: str, block_ids: list[int], skip_blocks: int, num_tokens: int, lease_s: float,
                wait_s: float | None = None) -> Incoming:
-        """Reserve ``block_ids`` for ``handle``: they wait ``wait_s`` (default ``lease_s``) for the
-        transfer to begin (the prompt may queue on a busy prefill worker); then the transfer
-        fails once ``lease_s`` pass without a chunk.
+        """Reserve ``block_ids`` (a prompt of ``num_tokens``) for ``handle``: they wait ``wait_s``
+        (default ``lease_s``) for the transfer to begin (the prompt may queue on a busy prefill
+        worker); then the transfer fails once ``lease_s`` pass without a chunk.
 
         Why a lease renewed by every chunk, not a deadline from the first: chunks come as the
-        prefill computes (each layer as it finishes), so a transfer lasts as long as the step
-        that computes the prompt, seconds for a long prompt and more on a loaded machine; what
-        the lease must catch is a sender that stopped, not one that computes."""
+        prefill computes (each layer of each step), so a transfer lasts as long as the prompt's
+        prefill, tens of seconds for a long prompt or on a loaded machine; what the lease must
+        catch is a sender that stopped, not one that computes."""
         wait = lease_s if wait_s is None else max(wait_s, lease_s)
-        incoming = Incoming(handle, list(block_ids), skip_blocks, time.monotonic() + wait, lease_s, wait)
+        incoming = Incoming(handle, list(block_ids), skip_blocks, num_tokens, time.monotonic() + wait, lease_s, wait)
         if incoming.expected_blocks == 0:  # everything was cached here already
             self._finish(incoming, TransferState.DONE)
         with self._lock:
@@ -82,12 +86,16 @@ class KVReceiver:
             raise TransferError("unknown_handle", f"no reservation {handle!r} here (expired or never made)")
         return incoming
 
-    def begin(self, handle: str, layout: KVLayout) -> Incoming:
+    def begin(self, handle: str, layout: KVLayout, total_tokens: int) -> Incoming:
+        """The handshake (the first chunk's header): the layouts must be equal, and the sender's
+        prompt as long as the reserved one."""
         incoming = self.get(handle)
         problem = self.layout.mismatch(layout)
         if problem:
-            self.fail(handle, "layout_mismatch", problem)
-            raise TransferError("layout_mismatch", problem)
+            raise self._failure(handle, "layout_mismatch", problem)
+        if total_tokens != incoming.num_tokens:
+            raise self._failure(handle, "token_count", f"the sender's KV covers {total_tokens} tokens, the "
+                                                       f"reservation {handle!r} holds {incoming.num_tokens}")
         if incoming.state is TransferState.FAILED:
             # A new sender takes over a failed transfer (its first sender died): start afresh.
             incoming.seen.clear()
@@ -106,27 +114,48 @@ class KVReceiver:
         incoming = self.get(handle)
         if incoming.state is not TransferState.TRANSFERRING:
             raise TransferError("state", f"transfer {handle} is {incoming.state.value}, not transferring")
-        per_block = self.kv_cache[0, 0, 0].numel()  # a block's elements (a quantized block's scales included)
-        if isinstance(keys, torch.Tensor):
-            k_src, v_src = keys.reshape(-1, per_block), values.reshape(-1, per_block)
-        else:
-            if crc is not None and checksum(keys, values) != crc:
-                raise self._failure(handle, "checksum", f"layer {layer}, blocks from {first_block}: checksum mismatch")
-            k_src = np.frombuffer(keys, dtype=self._np_dtype).reshape(-1, per_block)
-            v_src = np.frombuffer(values, dtype=self._np_dtype).reshape(-1, per_block)
-        n = k_src.shape[0]
-        if not 0 <= layer < self.layout.num_layers or first_block < incoming.skip_blocks or \
-                first_block + n > len(incoming.block_ids) or v_src.shape[0] != n:
-            raise self._failure(handle, "range", f"layer {layer} blocks [{first_block}, {first_block + n}) are "
-                                                 f"outside the reservation of {len(incoming.block_ids)} blocks")
-        cache_k, cache_v = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
-        for j in range(n):
-            block = incoming.block_ids[first_block + j]
-            _copy(cache_k[block], k_src[j])
-            _copy(cache_v[block], v_src[j])
-        incoming.bytes += 2 * n * per_block * self.kv_cache.element_size()
+        if crc is not None and not isinstance(keys, torch.Tensor) and checksum(keys, values) != crc:
+            raise self._failure(handle, "checksum", f"layer {layer}, blocks from {first_block}: checksum mismatch")
+        n = self._check_range(incoming, layer, first_block, keys, values)
+        blocks = incoming.block_ids[first_block : first_block + n]
+        self._write(layer, 0, blocks, keys)
+        self._write(layer, 1, blocks, values)
+        incoming.bytes += 2 * n * self._block_bytes
         incoming.seen.setdefault(layer, set()).update(range(first_block, first_block + n))
         incoming.deadline = time.monotonic() + incoming.lease_s  # progress renews the lease
+
+    def _check_range(self, incoming: Incoming, layer: int, first_block: int, keys, values) -> int:
+        """The chunk's number of blocks, once it is known to fall inside the reservation, in
+        whole blocks, each block of each layer once (a block sent twice is a sender's bug: the
+        first copy may have been partly filled)."""
+        nk, nv = _nbytes(keys), _nbytes(values)
+        n = nk // self._block_bytes
+        problem = None
+        if nk != nv or nk % self._block_bytes:
+            problem = f"keys ({nk} bytes) and values ({nv} bytes) are not the same whole number of blocks"
+        elif not 0 <= layer < self.layout.num_layers or first_block < incoming.skip_blocks or \
+                first_block + n > len(incoming.block_ids):
+            problem = f"layer {layer} blocks [{first_block}, {first_block + n}) are outside the reservation " \
+                      f"(blocks [{incoming.skip_blocks}, {len(incoming.block_ids)}) of {self.layout.num_layers} layers)"
+        elif incoming.seen.get(layer, set()).intersection(range(first_block, first_block + n)):
+            problem = f"layer {layer}: blocks of [{first_block}, {first_block + n}) were sent twice"
+        if problem:
+            raise self._failure(incoming.handle, "range", problem)
+        return n
+
+    def _write(self, layer: int, kv: int, blocks: list[int], data) -> None:
+        """One chunk's keys (``kv`` 0) or values (1) into ``blocks`` of ``layer``."""
+        if self._cache_bytes is not None and not isinstance(data, torch.Tensor):
+            rows = np.frombuffer(data, dtype=np.uint8).reshape(len(blocks), -1)
+            self._cache_bytes[layer, kv].reshape(self.kv_cache.shape[2], -1)[blocks] = rows
+            return
+        dst = self.kv_cache[layer, kv].view(torch.uint8).view(self.kv_cache.shape[2], -1)
+        if isinstance(data, torch.Tensor):
+            src = data.contiguous().view(torch.uint8)
+        else:  # torch.tensor copies: a tensor over the message's read-only bytes is refused
+            src = torch.tensor(np.frombuffer(data, dtype=np.uint8))
+        index = torch.tensor(blocks, dtype=torch.long, device=dst.device)
+        dst.index_copy_(0, index, src.to(dst.device).view(len(blocks), -1))
 
     def commit(self, handle: str) -> None:
         incoming = self.get(handle)
@@ -186,11 +215,5 @@ class KVReceiver:
             return [h for h, i in self._incoming.items() if i.deadline < now]
 
 
-def _copy(dst: torch.Tensor, src) -> None:
-    """One block of one layer: ``dst`` a contiguous cache block, ``src`` its flat values."""
-    if isinstance(src, torch.Tensor):
-        dst.view(-1).copy_(src)
-    elif dst.device.type != "cpu":
-        dst.view(-1).copy_(torch.from_numpy(np.ascontiguousarray(src)))
-    else:
-        np.copyto(dst.numpy().reshape(-1), src)
+def _nbytes(data) -> int:
+    return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)

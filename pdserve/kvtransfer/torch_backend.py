@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer.base import KVLayout, TransferError, checksum, tensor_bytes
+from pdserve.kvtransfer.base import KVLayout, SenderContext, TransferError, checksum, tensor_bytes
 from pdserve.kvtransfer.grpc_backend import GrpcSender, GrpcSession
 from pdserve.proto.v1 import worker_pb2 as pb
 
@@ -81,6 +81,10 @@ class TorchSender:
         self._executors: dict[str, ThreadPoolExecutor] = {}  # one sending thread per destination, in order
         self._generation: dict[str, int] = {}  # per destination store: bumped when a group fails
         self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, context: SenderContext) -> TorchSender:
+        return cls(GrpcSender.create(context), context.worker_id)
 
     def group_name(self, store: str) -> str:
         with self._lock:

@@ -6,8 +6,9 @@ A request's lifecycle through this worker::
       layouts compared first (a mismatch is refused, naming both sides' values)
       the engine queues the prompt to hand it off after one token: chunked prefill in batches under the
       token budget, its own prefix cache (a repeated prefix is not recomputed)
-      during the step that completes the prompt, after each layer: that layer's blocks beyond
-        the destination's cached prefix --> KV transfer session (grpc: PushKV chunks)
+      during each step of the prefill, after each layer: the blocks that step completed beyond
+        the destination's cached prefix --> the export thread --> KV transfer session (grpc:
+        PushKV chunks), so the transfer overlaps every chunk's compute
       first token sampled (the request's own sampling and seed) --> PrefillResponse(first) at once
       after the last layer: commit --> PrefillResponse(transfer_done, ok | error)
     caller gone -> the prefill is aborted and the transfer with it
@@ -27,9 +28,8 @@ import grpc
 from pdserve.decode_worker import convert
 from pdserve.decode_worker.server import WorkerServicer
 from pdserve.engine.sampling_params import InvalidRequestError
-from pdserve.kvtransfer.base import KVLayout
+from pdserve.kvtransfer.base import KVLayout, KVSender, SenderContext, TransferError, sender_class
 from pdserve.kvtransfer.faults import KVFaults
-from pdserve.kvtransfer.grpc_backend import GrpcSender
 from pdserve.prefill_worker.export import Export, KVExporter
 from pdserve.proto.v1 import worker_pb2 as pb
 
@@ -43,17 +43,16 @@ class PrefillServicer(WorkerServicer):
         super().__init__(engine, worker_id, config, address)
         llm = engine.engine
         self.exporter = KVExporter(llm.runner, llm.block_size, llm.model_config.num_layers)
-        self.sender = GrpcSender(asyncio.get_running_loop(), KVFaults.parse(config.kv_fault))
-        self.torch_sender = None  # made when a destination first asks for the torch backend
+        self.sender_context = SenderContext(asyncio.get_running_loop(), worker_id, KVFaults.parse(config.kv_fault))
+        self.senders: dict[str, KVSender] = {}  # by backend name, each made when a destination first asks for it
 
-    def _sender(self, backend: str):
-        if backend != "torch":
-            return self.sender
-        if self.torch_sender is None:
-            from pdserve.kvtransfer.torch_backend import TorchSender
-
-            self.torch_sender = TorchSender(self.sender, self.worker_id)
-        return self.torch_sender
+    def _sender(self, backend: str) -> KVSender:
+        """The sender of the destination's backend, from the kvtransfer registry (ValueError or
+        TransferError when this worker cannot send with it)."""
+        name = backend or "grpc"
+        if name not in self.senders:
+            self.senders[name] = sender_class(name).create(self.sender_context)
+        return self.senders[name]
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         if self.draining:
@@ -63,9 +62,10 @@ class PrefillServicer(WorkerServicer):
         problem = KVLayout.from_proto(dest.layout).mismatch(self.layout)  # the destination receives
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused at the handshake: {problem}")
-        if dest.backend not in ("", "grpc", "torch"):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"unknown transfer backend {dest.backend!r} (this worker sends with grpc or torch)")
+        try:
+            sender = self._sender(dest.backend)
+        except (ValueError, TransferError) as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot send to this destination: {e}")
         try:
             params = convert.sampling_from_proto(request.sampling)
             prompt = list(request.prompt_token_ids)
@@ -75,7 +75,7 @@ class PrefillServicer(WorkerServicer):
                                           handoff_after=1)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.encode_invalid(e))
-        session = self._sender(dest.backend).open(dest, self.layout, len(prompt))
+        session = sender.open(dest, self.layout, len(prompt))
         skip = dest.cached_tokens // self.layout.block_size
         self.exporter.add(request.request_id, Export(session, skip, len(prompt)))
         try:

@@ -48,12 +48,13 @@ def disaggregated(prefill, decode, ps, params=GREEDY, lease_s=30.0) -> dict[str,
         request = decode.make_request(rid, p, params)
         assert decode.reserve_remote_request(request) is not None
         skip = request.num_computed_tokens // decode.block_size
-        receiver.expect(rid, decode.kv.block_ids(rid), skip, lease_s)
+        receiver.expect(rid, decode.kv.block_ids(rid), skip, len(p), lease_s)
         sessions[rid] = sender.open(SimpleNamespace(kv_address="local://decode", handle=rid), layout_of(prefill),
                                     len(p))
         exporter.add(rid, Export(sessions[rid], skip, len(p)))
         prefill.add_request(rid, p, params.replace(max_tokens=1))
     firsts = run_to_completion(prefill)
+    exporter.close()  # everything handed to the sessions
     for rid, session in sessions.items():
         ok, error = session.done.result(timeout=1)
         assert ok, error
@@ -89,10 +90,10 @@ def test_handshake_refuses_a_different_layout(make_engine):
     decode = make_engine()
     receiver = KVReceiver(decode.runner.kv_cache, layout_of(decode))
     request = decode.make_request("x", list(range(100, 140)), GREEDY)
-    receiver.expect("x", decode.reserve_remote_request(request), 0, 5.0)
+    receiver.expect("x", decode.reserve_remote_request(request), 0, 40, 5.0)
     other = KVLayout(layout_of(decode).model_fingerprint, "float32", 32, 2, 2, 16)
     with pytest.raises(TransferError) as e:
-        receiver.begin("x", other)
+        receiver.begin("x", other, 40)
     assert e.value.reason == "layout_mismatch"
     assert "block_size: sender 32, receiver 16" in str(e.value)
     decode.abort_request("x")
@@ -103,13 +104,13 @@ def test_receiver_catches_bad_chunks(make_engine):
     layout = layout_of(decode)
     receiver = KVReceiver(decode.runner.kv_cache, layout)
     request = decode.make_request("x", list(range(100, 140)), GREEDY)  # 40 tokens: 3 blocks
-    receiver.expect("x", decode.reserve_remote_request(request), 0, 5.0)
-    receiver.begin("x", layout)
+    receiver.expect("x", decode.reserve_remote_request(request), 0, 40, 5.0)
+    receiver.begin("x", layout, 40)
     per_block = layout.num_kv_heads * layout.block_size * layout.head_dim
     block = torch.zeros(1, per_block).numpy().tobytes()
     with pytest.raises(TransferError, match="checksum"):
         receiver.chunk("x", 0, 0, block, block, 12345)
-    receiver.begin("x", layout)  # a new sender may take over a failed transfer
+    receiver.begin("x", layout, 40)  # a new sender may take over a failed transfer
     receiver.chunk("x", 0, 0, block, block, None)
     with pytest.raises(TransferError, match="incomplete"):
         receiver.commit("x")
@@ -135,9 +136,9 @@ def test_float_and_quantized_workers_refuse_each_other(make_engine):
     decode = make_engine(kv_cache_dtype="int8")
     receiver = KVReceiver(decode.runner.kv_cache, layout_of(decode))
     request = decode.make_request("x", list(range(100, 140)), GREEDY)
-    receiver.expect("x", decode.reserve_remote_request(request), 0, 5.0)
+    receiver.expect("x", decode.reserve_remote_request(request), 0, 40, 5.0)
     with pytest.raises(TransferError, match="dtype: sender 'float32', receiver 'int8'"):
-        receiver.begin("x", layout_of(make_engine()))
+        receiver.begin("x", layout_of(make_engine()), 40)
     decode.abort_request("x")
 
 
@@ -149,14 +150,15 @@ def test_the_lease_runs_from_the_first_chunk(make_engine):
     decode = make_engine()
     receiver = KVReceiver(decode.runner.kv_cache, layout_of(decode))
     request = decode.make_request("x", list(range(100, 140)), GREEDY)
-    incoming = receiver.expect("x", decode.reserve_remote_request(request), 0, lease_s=0.2, wait_s=30.0)
+    incoming = receiver.expect("x", decode.reserve_remote_request(request), 0, 40, lease_s=0.2, wait_s=30.0)
     assert incoming.deadline - time.monotonic() > 20
     assert receiver.expired(time.monotonic() + 1.0) == []
-    receiver.begin("x", layout_of(decode))
+    receiver.begin("x", layout_of(decode), 40)
     assert incoming.deadline - time.monotonic() <= 0.2
     assert asyncio.run(receiver.wait("x")) == (False, "lease_expired")
     receiver.release("x")
     decode.abort_request("x")
+
 
 def test_every_chunk_renews_the_lease(make_engine):
     """Chunks come as the prefill computes, so a transfer lasts as long as its prompt's prefill
@@ -168,8 +170,8 @@ def test_every_chunk_renews_the_lease(make_engine):
     layout = layout_of(decode)
     receiver = KVReceiver(decode.runner.kv_cache, layout)
     request = decode.make_request("x", list(range(100, 140)), GREEDY)  # 3 blocks
-    incoming = receiver.expect("x", decode.reserve_remote_request(request), 0, lease_s=5.0, wait_s=60.0)
-    receiver.begin("x", layout)
+    incoming = receiver.expect("x", decode.reserve_remote_request(request), 0, 40, lease_s=5.0, wait_s=60.0)
+    receiver.begin("x", layout, 40)
     first_deadline = incoming.deadline
     per_block = decode.runner.kv_cache[0, 0, 0].numel()
     block = torch.zeros(3, per_block)

@@ -1,0 +1,121 @@
+"""The grpc backend between a real prefill worker server and a real decode worker server (in
+this process, on loopback, the tiny model): chunked prompts arrive whole; the header's token
+count is checked; the sender comes from the backend registry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from pdserve.decode_worker.server import WorkerConfig, WorkerServer
+from pdserve.engine import EngineConfig, LLMEngine
+from pdserve.prefill_worker.server import PrefillServicer
+from pdserve.proto.v1 import worker_pb2 as pb
+from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
+from tests.conftest import run_to_completion
+from tests.kvtransfer.test_local_backend import GREEDY
+
+SAMPLING = pb.SamplingParams(temperature=0, top_p=1, max_tokens=8, ignore_eos=True, repetition_penalty=1)
+
+
+@pytest.fixture(scope="module")
+def models():
+    from pdserve.engine.loader import load_model
+
+    return {name: load_model("random:tiny", progress=False, seed=3, dtype=getattr(torch, name))
+            for name in ("float32",)}
+
+
+def engine(models, dtype: str, **options) -> LLMEngine:
+    loaded = models[dtype]
+    return LLMEngine(EngineConfig(model=loaded.source.name, load_progress=False, dtype=dtype, num_kv_blocks=128,
+                                  **options), loaded=loaded)
+
+
+def with_pair(models, dtype: str, body, prefill_options=None):
+    """Run ``body(decode_stub, prefill_stub)`` against a decode and a prefill worker server."""
+
+    async def main():
+        decode = WorkerServer(engine(models, dtype), WorkerConfig(port=0))
+        prefill = WorkerServer(engine(models, dtype, **(prefill_options or {})), WorkerConfig(port=0),
+                               PrefillServicer)
+        await decode.start()
+        await prefill.start()
+        try:
+            async with grpc.aio.insecure_channel(decode.address) as cd, \
+                    grpc.aio.insecure_channel(prefill.address) as cp:
+                return await body(pb_grpc.WorkerStub(cd), pb_grpc.WorkerStub(cp))
+        finally:
+            await prefill.stop(0)
+            await decode.stop(0)
+
+    return asyncio.run(main())
+
+
+async def disaggregated(decode, prefill, rid: str, prompt: list[int],
+                        prefill_prompt: list[int] | None = None) -> tuple[list[int], pb.PrefillResponse]:
+    """Reserve, prefill (``prefill_prompt`` if given: a lying sender), resume; (tokens, transfer outcome)."""
+    res = await decode.Reserve(pb.ReserveRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING))
+    tokens, outcome = [], None
+    async for msg in prefill.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prefill_prompt or prompt,
+                                                       sampling=SAMPLING, destination=res)):
+        if msg.HasField("first"):
+            tokens += msg.first.token_ids
+        if msg.transfer_done:
+            outcome = msg
+    async for msg in decode.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING,
+                                                        kv_handle=res.handle, output_token_ids=tokens)):
+        tokens += msg.token_ids
+    return tokens, outcome
+
+
+@pytest.mark.parametrize("dtype", ["float32"])
+def test_a_chunked_prompt_arrives_whole(models, dtype):
+    prompt = list(range(1000, 1100))  # 100 tokens in chunks of 24: blocks completed over five steps
+    reference = engine(models, dtype)
+    reference.add_request("r", prompt, GREEDY.replace(max_tokens=8))
+    expected = run_to_completion(reference)["r"]
+
+    async def body(decode, prefill):
+        return await disaggregated(decode, prefill, "r", prompt)
+
+    tokens, outcome = with_pair(models, dtype, body, {"max_num_batched_tokens": 24})
+    assert outcome.transfer_ok, outcome.transfer_error
+    assert tokens == expected
+
+
+def test_a_sender_whose_token_count_differs_from_the_reservation_is_refused(models):
+    """40 tokens reserved (3 blocks), 44 prefilled (3 blocks too): the blocks would fit, the KV
+    is of another prompt; the decode worker refuses it at the header and computes the prompt."""
+    prompt = list(range(2000, 2040))
+
+    async def body(decode, prefill):
+        tokens, outcome = await disaggregated(decode, prefill, "r", prompt, prompt + [5, 6, 7, 8])
+        return outcome
+
+    outcome = with_pair(models, "float32", body)
+    assert not outcome.transfer_ok
+    assert "token_count" in outcome.transfer_error
+    assert "covers 44 tokens, the reservation 'r' holds 40" in outcome.transfer_error
+
+
+def test_an_unknown_backend_is_refused_naming_the_registry(models):
+    async def body(decode, prefill):
+        res = await decode.Reserve(pb.ReserveRequest(request_id="r", prompt_token_ids=list(range(100, 140)),
+                                                     sampling=SAMPLING))
+        res.backend = "carrier-pigeon"
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in prefill.Prefill(pb.PrefillRequest(request_id="r", prompt_token_ids=list(range(100, 140)),
+                                                                 sampling=SAMPLING, destination=res)):
+                    pass
+        finally:
+            await decode.Abort(pb.AbortRequest(request_ids=["r"]))
+        return e.value
+
+    error = with_pair(models, "float32", body)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "unknown 'carrier-pigeon'; known: ['grpc', 'local', 'torch']" in error.details()
