@@ -31,10 +31,10 @@ def workload(n: int = 32, seed: int = 0) -> list[list[int]]:
     return out
 
 
-async def _complete(url: str, prompt: list[int], max_tokens: int,
+async def _complete(url: str, prompt: list[int], max_tokens: int, model: str = MODEL,
                     first: asyncio.Event | None = None) -> tuple[str, list[str]]:
     """Stream one completion; (text, chunks). ``first`` is set when its first chunk arrives."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     chunks = []
     async with httpx.AsyncClient(timeout=300) as client, client.stream("POST", url + "/v1/completions",
@@ -52,9 +52,9 @@ async def _complete(url: str, prompt: list[int], max_tokens: int,
     return "".join(chunks), chunks
 
 
-def run_all(url: str, prompts: list[list[int]], max_tokens: int = 16) -> list[str]:
+def run_all(url: str, prompts: list[list[int]], max_tokens: int = 16, model: str = MODEL) -> list[str]:
     async def main():
-        return await asyncio.gather(*(_complete(url, p, max_tokens) for p in prompts))
+        return await asyncio.gather(*(_complete(url, p, max_tokens, model) for p in prompts))
 
     return [text for text, _ in asyncio.run(main())]
 
@@ -211,6 +211,34 @@ def test_a_reservation_released_while_its_prompt_queues_still_completes(colocate
         assert run_all(cluster.base_url, workload()) == colocated_texts
         assert cluster.worker_metric(1, 'pdserve_kv_transfers_total{outcome="recomputed"}') >= 1
         assert cluster.worker_metric(1, 'pdserve_kv_transfer_failures_total{reason="never_resumed"}') >= 1
+        no_leaks(cluster)
+    finally:
+        stop_cluster(cluster)
+
+
+@pytest.mark.slow
+def test_bfloat16_disaggregated_equals_colocated():
+    """--dtype bfloat16 on every worker (it crashed them at start-up): the KV crosses as bfloat16
+    bytes and the greedy output equals colocated bfloat16 serving. The tiny random-weight model
+    keeps it quick; requests go one at a time, so both runs compute the same batches."""
+    model, engine = "random:tiny", ["--dtype", "bfloat16", "--num-kv-blocks", "512"]
+    prompts = workload(6, seed=3)
+
+    def serve_each(cluster) -> list[str]:
+        return [run_all(cluster.base_url, [p], 16, model)[0] for p in prompts]
+
+    reference = start_cluster(model, decode=1, engine_flags=engine)
+    try:
+        expected = serve_each(reference)
+    finally:
+        stop_cluster(reference)
+    cluster = start_cluster(model, decode=1, prefill=1, engine_flags=engine, router_flags=DISAGG)
+    try:
+        assert serve_each(cluster) == expected
+        remote = router_counter(cluster.base_url, "pdserve_router_prefill_decisions_total", 'outcome="remote"')
+        assert remote >= 4
+        assert cluster.worker_metric(1, 'pdserve_kv_transfers_total{outcome="ok"}') == remote
+        assert cluster.worker_metric(1, "pdserve_kv_transfer_failures_total") == 0
         no_leaks(cluster)
     finally:
         stop_cluster(cluster)

@@ -1,6 +1,7 @@
 """The prefill side's exporter: each prefill step ships the blocks it completed (not only the step
 that completes the prompt), every block exactly once with its final content, off the engine
-thread; the receiver checks the header's token count."""
+thread; the receiver checks the header's token count; bfloat16 and float16 caches travel as
+they are (bytes or tensors)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from pdserve.kvtransfer.base import TransferError, TransferState
+from pdserve.kvtransfer.base import KVLayout, TransferError, TransferState, checksum, tensor_bytes
 from pdserve.kvtransfer.local import LocalHub, LocalSender
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.prefill_worker.export import Export, KVExporter
@@ -129,3 +131,37 @@ def test_a_chunk_that_is_not_whole_blocks_fails_the_transfer(make_engine):
     assert e.value.reason == "range"
     decode.abort_request("x")
 
+
+@pytest.fixture(scope="module")
+def half_models():
+    from pdserve.engine.loader import load_model
+
+    return {name: load_model("random:tiny", progress=False, seed=3, dtype=getattr(torch, name))
+            for name in ("bfloat16", "float16")}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_disaggregated_equals_colocated(make_engine, half_models, dtype):
+    loaded = half_models[dtype]
+    ps = prompts(8, seed=8)
+    expected = colocated(make_engine(loaded, dtype=dtype), ps)
+    decode = make_engine(loaded, dtype=dtype)
+    assert layout_of(decode).dtype == dtype
+    assert disaggregated(make_engine(loaded, dtype=dtype, max_num_batched_tokens=24), decode, ps) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_bytes_of_any_dtype_land_exactly(dtype):
+    """The grpc backend's path: blocks as bytes (numpy has no bfloat16), checksummed."""
+    cache = torch.zeros(2, 2, 8, 3, 16 * 4, dtype=dtype)
+    layout = KVLayout("m", str(dtype).removeprefix("torch."), 16, 2, 3, 4)
+    receiver = KVReceiver(cache, layout)
+    receiver.expect("x", [5, 2, 7], 1, 40, 5.0)
+    receiver.begin("x", layout, 40)
+    sent = torch.randn(2, 2, 2, 3, 16 * 4).to(dtype)  # [layer, k/v, blocks 1 and 2 of the request, ...]
+    for layer in range(2):
+        k, v = tensor_bytes(sent[layer, 0]), tensor_bytes(sent[layer, 1])
+        receiver.chunk("x", layer, 1, bytes(k), bytes(v), checksum(k, v))
+    receiver.commit("x")
+    assert torch.equal(cache[:, :, [2, 7]], sent)
+    assert not cache[:, :, 5].any()  # the block cached here already was not written

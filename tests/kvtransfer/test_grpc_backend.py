@@ -1,6 +1,6 @@
 """The grpc backend between a real prefill worker server and a real decode worker server (in
-this process, on loopback, the tiny model): chunked prompts arrive whole; the header's token
-count is checked; the sender comes from the backend registry."""
+this process, on loopback, the tiny model): chunked prompts arrive whole, in float32, bfloat16
+and float16; the header's token count is checked; the sender comes from the backend registry."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def models():
     from pdserve.engine.loader import load_model
 
     return {name: load_model("random:tiny", progress=False, seed=3, dtype=getattr(torch, name))
-            for name in ("float32",)}
+            for name in ("float32", "bfloat16", "float16")}
 
 
 def engine(models, dtype: str, **options) -> LLMEngine:
@@ -72,7 +72,7 @@ async def disaggregated(decode, prefill, rid: str, prompt: list[int],
     return tokens, outcome
 
 
-@pytest.mark.parametrize("dtype", ["float32"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_a_chunked_prompt_arrives_whole(models, dtype):
     prompt = list(range(1000, 1100))  # 100 tokens in chunks of 24: blocks completed over five steps
     reference = engine(models, dtype)
