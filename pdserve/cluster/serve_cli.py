@@ -284,7 +284,7 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_commands(sub) -> None:
-    from pdserve.decode_worker.server import WorkerConfig
+    from pdserve.decode_worker.config import WorkerConfig
     from pdserve.router.app import RouterConfig
 
     serve = sub.add_parser(

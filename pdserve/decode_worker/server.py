@@ -30,14 +30,12 @@ import os
 import signal
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Literal
 
 import grpc
 
 import pdserve
-from pdserve.configs import doc
 from pdserve.decode_worker import convert
+from pdserve.decode_worker.config import WorkerConfig
 from pdserve.decode_worker.metrics import WorkerMetrics
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.engine import LLMEngine
@@ -48,31 +46,6 @@ from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """A worker process's own knobs (the engine's are EngineConfig's)."""
-
-    host: str = doc("127.0.0.1", "address to serve gRPC on")
-    port: int = doc(50051, "gRPC port (0: any free port)")
-    worker_id: str = doc("", "name in load snapshots and logs (default: role-host-port)")
-    metrics_port: int | None = doc(None, "serve Prometheus metrics over HTTP on this port (default: off)")
-    grace_s: float = doc(30.0, "on SIGTERM, how long in-flight requests may take to finish")
-    kv_lease_ms: int = doc(10000, "decode: how long a transfer may go without a chunk (each renews the lease) "
-                                  "before the prompt is computed here instead")
-    kv_reservation_ttl_ms: int = doc(120000, "decode: how long reserved blocks wait for their transfer to begin "
-                                             "(the prompt may queue on a busy prefill worker) before they are "
-                                             "released")
-    kv_backend: Literal["grpc", "torch"] = doc(
-        "grpc", "decode: how prefill workers send KV here: grpc, or torch (torch.distributed point-to-point: gloo "
-                "on CPU, nccl on GPU; control messages over gRPC)")
-    kv_fault: str = doc("", "prefill, tests only: inject a transfer fault (drop:LAYER, corrupt:LAYER, "
-                            "stall:SECONDS)")
-    redis: str = doc("", "register this worker in the Redis at this URL (redis://host:port/db) for routers "
-                         "to discover; empty: not registered")
-    heartbeat_s: float = doc(1.0, "with --redis: how often the worker's record and load are refreshed")
-    ttl_s: float = doc(5.0, "with --redis: routers drop the worker when its record is this old")
 
 
 def engine_layout(engine: LLMEngine) -> KVLayout:

@@ -29,54 +29,13 @@ same vocabulary; its KV lives in its own cache tensor, addressed by the target's
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 
-from pdserve.configs import ConfigError, doc
+from pdserve.configs import ConfigError
+from pdserve.engine.config import SpeculativeConfig
 from pdserve.engine.request import Request
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    method: Literal["ngram", "draft"] = doc("ngram", "ngram (prompt lookup) or draft (a smaller model)")
-    num_speculative_tokens: int = doc(4, "tokens proposed per step (k)")
-    prompt_lookup_max: int = doc(4, "ngram: longest n-gram matched")
-    prompt_lookup_min: int = doc(2, "ngram: shortest n-gram matched")
-    model: str | None = doc(None, "draft: the draft model (any spec the engine loads; same vocabulary)")
-    draft_num_layers: int | None = doc(None, "draft: keep only the first N layers of the draft model")
-
-    def __post_init__(self) -> None:
-        owner = "speculative_config"
-        if self.num_speculative_tokens < 1:
-            raise ConfigError(f"{owner}.num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ConfigError(f"{owner}: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
-        if self.method == "draft" and not self.model:
-            raise ConfigError(f"{owner}.model: the draft method needs a draft model")
-        if self.draft_num_layers is not None and self.draft_num_layers < 1:
-            raise ConfigError(f"{owner}.draft_num_layers must be positive, got {self.draft_num_layers}")
-
-    @classmethod
-    def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
-        """From the ``--speculative-config`` JSON text or a YAML mapping; None when unset."""
-        if value is None or value == "" or value == {}:
-            return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"speculative_config: not valid JSON ({e.msg} at column {e.colno}): {value!r}") from e
-        if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config: expected a JSON object, got {type(value).__name__}")
-        from pdserve.configs import from_dict
-
-        return from_dict(cls, value, "speculative_config")
-
 
 # ---- proposers ----------------------------------------------------------------------------
 
