@@ -20,6 +20,7 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
         max_tokens=m.max_tokens if m.HasField("max_tokens") else None, min_tokens=m.min_tokens,
         stop=tuple(m.stop), stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None, skip_special_tokens=m.skip_special_tokens,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         include_stop_str_in_output=m.include_stop_str_in_output,
     )
 
@@ -42,6 +43,8 @@ def output_to_proto(out: RequestOutput) -> pb.GenerateResponse:
         msg.stop_token_id = out.stop_reason
     for lp in out.new_logprobs or ():
         msg.logprobs.append(pb.PositionLogprobs(sampled=_lp(lp.sampled), top=[_lp(t) for t in lp.top]))
+    for lp in (out.prompt_logprobs or [None])[1:]:  # position 0 has none
+        msg.prompt_logprobs.append(pb.PositionLogprobs(sampled=_lp(lp.sampled), top=[_lp(t) for t in lp.top]))
     return msg
 
 

@@ -251,41 +251,50 @@ class LLMEngine:
         for co in core_outputs:
             request, state = co.request, self._text[co.request.request_id]
             self._counters["generation_tokens"] += len(co.new_token_ids)
-            check_from = self._append_text(request, state, co)
-            finished = co.finished
+            check_from, ends = self._append_text(request, state, co)
+            new_ids, logprobs, finished = co.new_token_ids, co.new_logprobs, co.finished
             # Stop strings are looked for also when the step ended the request (its length, a
             # stop token, a handoff), as vLLM does: a stop string found wins.
             if state.stops and request.num_output_tokens > request.sampling_params.min_tokens:
-                finished = self._check_stop_strings(request, state, check_from) or finished
+                stop_end = self._check_stop_strings(request, state, check_from)
+                if stop_end is not None:
+                    # A step of several tokens (speculative decoding) keeps those up to the one
+                    # that completed the stop string, as one token per step would have.
+                    kept = next((i + 1 for i, end in enumerate(ends) if end >= stop_end), len(new_ids))
+                    new_ids, logprobs, finished = new_ids[:kept], logprobs and logprobs[:kept], True
+                    request.drop_last_outputs(len(co.new_token_ids) - kept)
             handoff = request.status is RequestStatus.FINISHED_HANDOFF
             end = len(state.text) if finished and not handoff else max(state.emitted, len(state.text) - state.hold)
             new_text, state.emitted = state.text[state.emitted : end], end
             if finished:
                 del self._text[request.request_id]
-            outputs.append(self._output(request, co.new_token_ids, new_text, co.new_logprobs, finished))
+            outputs.append(self._output(request, new_ids, new_text, logprobs, finished))
         return outputs
 
     @staticmethod
-    def _append_text(request: Request, state: _TextState, co: CoreOutput) -> int:
-        """Detokenise the step's tokens; where the stop-string search starts (text of tokens
-        within ``min_tokens`` is not searched, as in vLLM)."""
+    def _append_text(request: Request, state: _TextState, co: CoreOutput) -> tuple[int, list[int]]:
+        """Detokenise the step's tokens. Returns where the stop-string search starts (text of
+        tokens within ``min_tokens`` is not searched, as in vLLM) and the text's length after
+        each token."""
         p = request.sampling_params
         ids = co.new_token_ids
         if co.finished and request.status is RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output:
             ids = ids[:-1]  # the stop token (EOS or a stop_token_id) is not part of the text
         first = request.num_output_tokens - len(co.new_token_ids)  # output index of the step's first token
-        check_from = len(state.text)
+        check_from, ends = len(state.text), []
         for i, token_id in enumerate(ids):
             state.text += state.detokenizer.step(token_id)
+            ends.append(len(state.text))
             if first + i + 1 <= p.min_tokens:
                 check_from = len(state.text)
-        return check_from
+        return check_from, ends
 
-    def _check_stop_strings(self, request: Request, state: _TextState, check_from: int) -> bool:
+    def _check_stop_strings(self, request: Request, state: _TextState, check_from: int) -> int | None:
+        """End the request at the first stop string in the new text; where that string ends."""
         start = max(0, check_from - state.hold)
         found = [(i, s) for s in state.stops if (i := state.text.find(s, start)) >= 0]
         if not found:
-            return False
+            return None
         index, stop = min(found)
         keep = index + len(stop) if request.sampling_params.include_stop_str_in_output else index
         state.text = state.text[:keep]
@@ -295,9 +304,12 @@ class LLMEngine:
             request.status = RequestStatus.FINISHED_STOPPED
         else:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-        return True
+        return index + len(stop)
 
     def _output(self, request: Request, new_ids, new_text, logprobs, finished: bool) -> RequestOutput:
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and new_ids and not request.prompt_logprobs_sent:
+            prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=list(new_ids),
@@ -306,6 +318,7 @@ class LLMEngine:
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
             new_logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,

@@ -17,7 +17,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.model import LlamaForCausalLM
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, token_logprobs
 from pdserve.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
 from pdserve.engine.spec_decode import rejection_sample
 
@@ -97,6 +97,9 @@ class ModelRunner:
         items, hidden, sample_rows = self._forward(sched)
         sampling = [(item, rows) for item, rows in zip(items, sample_rows) if item.sample]
         out = ModelOutput()
+        for item, rows in zip(items, sample_rows):
+            if item.request.prompt_logprobs is not None and not item.request.prompt_logprobs_sent:
+                self._prompt_logprobs(item, rows[-1] - item.num_tokens + 1, hidden, out)
         if not sampling:
             return out
         logits = self.model.compute_logits(hidden[[row for _, rows in sampling for row in rows]])
@@ -125,6 +128,23 @@ class ModelRunner:
                         for i, (t, lp) in enumerate(zip(emitted, logprobs[r : r + n]))]
             r += n
         return out
+
+    def _prompt_logprobs(self, item: ScheduledRequest, row: int, hidden: torch.Tensor, out: ModelOutput) -> None:
+        """Logprobs of the prompt tokens this chunk predicts: row ``row + j`` (position
+        ``start + j``) predicts prompt token ``start + j + 1``.
+
+            prompt:   t0  t1  t2  t3  t4          chunk: positions 1..3
+            rows:         r0  r1  r2              r0 -> t2, r1 -> t3, r2 -> t4
+        """
+        request = item.request
+        prompt = request.prompt_token_ids
+        count = min(item.num_tokens, len(prompt) - 1 - item.start)
+        if count <= 0:
+            return
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[row : row + count]).float().cpu(), dim=-1)
+        k = request.sampling_params.prompt_logprobs
+        values = [token_logprobs(logprobs[j], prompt[item.start + j + 1], k) for j in range(count)]
+        out.prompt_logprobs[request.request_id] = (item.start + 1, values)
 
     def _verify(self, item: ScheduledRequest, logits: torch.Tensor, views, tokens: list[int]) -> list[int]:
         """The accepted proposals and one token of the target's (see spec_decode)."""

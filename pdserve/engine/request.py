@@ -64,6 +64,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.block_hashes: list[BlockHash] = []
+        # Prompt logprobs (when asked for): position i holds prompt token i's, given the tokens
+        # before it (position 0 has none). Filled as the prompt's chunks are computed; reported
+        # with the first output.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] * self.num_prompt_tokens if sampling_params.prompt_logprobs is not None else None)
+        self.prompt_logprobs_sent = False
         # Speculative decoding: this step's proposals, the slots the scheduler is to reserve for
         # them, and totals (proposed, accepted, verification steps).
         self.spec_token_ids: list[int] = []
@@ -93,6 +99,13 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def drop_last_outputs(self, n: int) -> None:
+        """Forget the last ``n`` output tokens of a finished request (generated in the step that
+        completed a stop string, after it)."""
+        if n > 0:
+            del self.output_token_ids[-n:]
+            del self.all_token_ids[-n:]
 
     def add_prior_outputs(self, token_ids: list[int], vocab_size: int, text_emitted: int | None = None) -> None:
         """Tokens generated for this request elsewhere (a prefill worker's first token, or what
@@ -126,6 +139,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first output, when asked for
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

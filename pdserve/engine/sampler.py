@@ -35,7 +35,7 @@ class Sampler:
         token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         for row, i in enumerate(want_logprobs):
-            logprobs[i] = _token_logprobs(raw_logprobs[row], token_list[i], params[i].logprobs)
+            logprobs[i] = token_logprobs(raw_logprobs[row], token_list[i], params[i].logprobs)
         return token_list, logprobs
 
     @staticmethod
@@ -88,7 +88,7 @@ class Sampler:
     @staticmethod
     def logprobs_of(logits: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
         """Raw logprobs of one row for a given token (and the top ``k``)."""
-        return _token_logprobs(torch.log_softmax(logits.float(), dim=-1), token_id, k)
+        return token_logprobs(torch.log_softmax(logits.float(), dim=-1), token_id, k)
 
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         probs = self._processed(logits, [r.sampling_params for r in requests])
@@ -123,7 +123,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _token_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
+def token_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
     chosen = float(logprobs[token_id])
     rank = int((logprobs > chosen).sum()) + 1
     top = []

@@ -35,6 +35,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs besides the sampled token's
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs too (and this many top ones at each)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     extra: dict = field(default_factory=dict, compare=False)  # opaque to the engine
@@ -74,6 +75,8 @@ class SamplingParams:
             bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             bad("stop", "stop strings must not be empty")
 

@@ -62,6 +62,8 @@ class ModelOutput:
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Prompt logprobs computed this step: (first prompt position, its logprobs and the following ones).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -171,7 +173,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             fresh = not self.kv.block_ids(request.request_id)
-            hits = self.kv.get_computed_blocks(request) if fresh else []
+            # Prompt logprobs need every prompt position computed: no prefix hits (as vLLM).
+            hits = self.kv.get_computed_blocks(request) if fresh and request.prompt_logprobs is None else []
             num_computed = request.num_computed_tokens + len(hits) * bs
             num_new = min(request.num_tokens - num_computed, budget)
             if self.kv.allocate_slots(request, num_new, hits) is None:
@@ -217,6 +220,9 @@ class Scheduler:
         outputs = []
         for item in sched.scheduled:
             request = item.request
+            if request.request_id in model_out.prompt_logprobs:
+                first, values = model_out.prompt_logprobs[request.request_id]
+                request.prompt_logprobs[first : first + len(values)] = values
             if not item.sample or request.status.finished:
                 continue
             sampled = model_out.sampled_token_ids[request.request_id]

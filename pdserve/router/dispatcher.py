@@ -97,7 +97,9 @@ class Dispatcher:
 
     def _first_leg(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         prompt = len(request.prompt_token_ids)
-        route = prefill_route(PrefillInputs(prompt, bool(self.pool.healthy("prefill"))), self.disaggregation)
+        route = prefill_route(PrefillInputs(prompt, bool(self.pool.healthy("prefill")),
+                                            prompt_logprobs=request.sampling.HasField("prompt_logprobs")),
+                              self.disaggregation)
         if route == "reserve":
             return self._disaggregated(request)
         if route == "local_no_prefill_worker" and self.waker is not None and prompt >= \
@@ -294,6 +296,7 @@ def _continuation(request: pb.GenerateRequest, request_id: str, generated: list[
     follow.request_id = request_id
     follow.ClearField("kv_handle")
     follow.prefill_here = False
+    follow.sampling.ClearField("prompt_logprobs")  # sent with the first token already
     del follow.output_token_ids[:]
     follow.output_token_ids.extend(generated)
     follow.emitted_text_len = emitted

@@ -56,15 +56,19 @@ class PrefillInputs:
     prefill_available: bool  # a prefill worker is in rotation
     reserved: bool | None = None  # None: no reservation asked for yet; False: no decode worker had room
     cached_tokens: int = 0  # with a reservation: leading prompt tokens cached on that decode worker
+    prompt_logprobs: bool = False  # the prompt's logprobs are asked for
 
 
 def prefill_route(x: PrefillInputs, cfg: DisaggregationConfig) -> str:
     """Where the prompt is prefilled: ``remote`` (a prefill worker), ``reserve`` (ask a decode
     worker for a reservation first, then decide again with its answer), or why it is prefilled
-    on the decode worker: ``local_no_prefill_worker``, ``local_short``, ``local_no_room``,
+    on the decode worker: ``local_no_prefill_worker``, ``local_short``, ``local_prompt_logprobs``
+    (one worker computes every prompt position, without prefix hits), ``local_no_room``,
     ``local_cached``. Every outcome but ``reserve`` is a label of the decisions metric."""
     if not x.prefill_available:
         return "local_no_prefill_worker"
+    if x.prompt_logprobs:
+        return "local_prompt_logprobs"
     if x.prompt_tokens < cfg.min_prompt_tokens:
         return "local_short"
     if x.reserved is None:

@@ -32,7 +32,7 @@ class Choice:
 
     def add(self, msg: pb.GenerateResponse, now: float) -> tuple[str, list[TokenLogprobs]]:
         """Record a message; return its text and logprobs."""
-        lps = logprobs_of(msg) if msg.logprobs else []
+        lps = logprobs_of(msg.logprobs) if msg.logprobs else []
         self.text_len += len(msg.text)
         self.text.append(msg.text)
         self.token_ids.extend(msg.token_ids)

@@ -43,14 +43,17 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.max_tokens = p.max_tokens
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 
-def logprobs_of(msg: pb.GenerateResponse) -> list[TokenLogprobs]:
+def logprobs_of(positions) -> list[TokenLogprobs]:
+    """``msg.logprobs`` or ``msg.prompt_logprobs`` as engine dataclasses."""
     def lp(m: pb.TokenLogprob) -> Logprob:
         return Logprob(m.token_id, m.logprob, m.rank)
 
-    return [TokenLogprobs(lp(p.sampled), [lp(t) for t in p.top]) for p in msg.logprobs]
+    return [TokenLogprobs(lp(p.sampled), [lp(t) for t in p.top]) for p in positions]
 
 
 def stop_reason_of(msg: pb.GenerateResponse) -> str | int | None:

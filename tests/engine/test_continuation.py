@@ -150,3 +150,37 @@ def test_min_tokens_holds_eos_back_also_with_ignore_eos():
         request = Request("r", [1, 2], params, eos_token_ids=(0,))
         tokens, _ = Sampler()(logits.clone(), [request])
         assert tokens == [2], ignore_eos
+
+
+@pytest.mark.slow
+def test_a_stop_string_inside_an_accepted_run_of_proposals_keeps_the_same_tokens(default_model):
+    """Speculative decoding emits several tokens a step; the tokens after the one completing a
+    stop string are dropped, so tokens, logprobs and counts equal one token per step."""
+    import json
+
+    from pdserve.engine import EngineConfig, LLMEngine
+    from tests.conftest import assert_no_leaks
+
+    def engine(spec=None):
+        return LLMEngine(EngineConfig(load_progress=False, num_kv_blocks=64, speculative_config=spec),
+                         loaded=default_model)
+
+    plain, spec = engine(), engine(json.dumps({"method": "ngram", "num_speculative_tokens": 4}))
+    prompt = default_model.tokenizer.encode_chat([{"role": "user", "content": "Repeat this sentence three times: "
+                                                                              "I like green apples and red cherries."}])
+    base = dict(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    full, tokens, _, _ = one_engine(plain, prompt, SamplingParams(**base))
+    assert one_engine(spec, prompt, SamplingParams(**base))[:2] == (full, tokens)
+    checked = 0
+    for start in range(6, 37, 6):  # in the sentence the answer repeats: proposals are accepted there
+        stop = full[start : start + 3]
+        if full.find(stop) != start:
+            continue
+        params = SamplingParams(**base, stop=[stop])
+        expected = one_engine(plain, prompt, params)
+        before = spec.stats().spec_accepted
+        assert one_engine(spec, prompt, params) == expected, stop
+        checked += spec.stats().spec_accepted > before
+    assert checked >= 2, "no stop string fell in an accepted run of proposals"
+    assert_no_leaks(plain)
+    assert_no_leaks(spec)

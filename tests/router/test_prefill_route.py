@@ -12,6 +12,7 @@ CFG = DisaggregationConfig(min_prompt_tokens=128, min_uncached_tokens=64)
 @pytest.mark.parametrize("inputs, outcome", [
     (PrefillInputs(1000, prefill_available=False), "local_no_prefill_worker"),
     (PrefillInputs(1000, prefill_available=False, reserved=True), "local_no_prefill_worker"),
+    (PrefillInputs(1000, prefill_available=True, prompt_logprobs=True), "local_prompt_logprobs"),
     (PrefillInputs(127, prefill_available=True), "local_short"),
     (PrefillInputs(127, prefill_available=True, reserved=True), "local_short"),
     (PrefillInputs(128, prefill_available=True), "reserve"),

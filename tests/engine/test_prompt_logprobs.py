@@ -1,0 +1,47 @@
+"""Prompt logprobs (``echo`` with ``logprobs`` on /v1/completions): computed during prefill, equal to
+transformers' on the same weights, whatever the chunking, and never skipped by a prefix hit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+
+def _prompt_logprobs(engine, prompt, k=3):
+    engine.add_request(f"p{len(engine.scheduler.requests)}-{id(prompt)}", prompt,
+                       SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k))
+    got = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                assert got is None, "prompt logprobs reported twice"
+                got = out.prompt_logprobs
+    return got
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_equal_transformers_chunked_and_cached(make_engine, tiny_model):
+    from tests.engine.test_model_vs_hf import hf_model
+
+    prompt = tiny_model.tokenizer.encode("The quick brown fox jumps over the lazy dog, again and again.")
+    hf = hf_model(tiny_model.config, tiny_model.model)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    whole = _prompt_logprobs(make_engine(), prompt)
+    assert whole[0] is None and len(whole) == len(prompt)
+    for i in range(1, len(prompt)):
+        lp = whole[i]
+        assert lp.sampled.token_id == prompt[i]
+        assert abs(lp.sampled.logprob - float(ref[i - 1, prompt[i]])) < 1e-4
+        assert lp.sampled.rank == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
+        assert [t.token_id for t in lp.top] == ref[i - 1].topk(3).indices.tolist()
+    chunked_engine = make_engine(max_num_batched_tokens=5)
+    chunked = _prompt_logprobs(chunked_engine, prompt)
+    cached = _prompt_logprobs(chunked_engine, prompt)  # its blocks are in the prefix cache now
+    for other in (chunked, cached):
+        assert [x.sampled.token_id for x in other[1:]] == [x.sampled.token_id for x in whole[1:]]
+        assert max(abs(a.sampled.logprob - b.sampled.logprob) for a, b in zip(other[1:], whole[1:])) < 1e-4
