@@ -165,3 +165,20 @@ def test_bytes_of_any_dtype_land_exactly(dtype):
     receiver.commit("x")
     assert torch.equal(cache[:, :, [2, 7]], sent)
     assert not cache[:, :, 5].any()  # the block cached here already was not written
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_caches_export_and_import(make_engine, dtype):
+    """On a GPU: the exporter indexes the CUDA cache with an index on its device, its copies wait
+    for the snapshot on a stream of their own; the receiver writes with index_copy_ on the GPU."""
+    from pdserve.engine.loader import load_model
+
+    loaded = load_model("random:tiny", progress=False, seed=3, dtype=getattr(torch, dtype), device="cuda")
+    loaded.model.rope.to("cuda")  # build_model leaves a random-weight model's rotary table on the CPU
+    ps = prompts(8, seed=9)
+    expected = colocated(make_engine(loaded, dtype=dtype, device="cuda"), ps)
+    decode = make_engine(loaded, dtype=dtype, device="cuda")
+    assert decode.runner.kv_cache.is_cuda
+    prefill = make_engine(loaded, dtype=dtype, device="cuda", max_num_batched_tokens=24)
+    assert disaggregated(prefill, decode, ps) == expected
