@@ -130,7 +130,7 @@ def send_local(tokens: int, layers) -> float:
     hub = LocalHub()
     receiver = KVReceiver(cache, layout)
     hub.register("local://d", receiver)
-    receiver.expect("x", list(range(blocks)), 0, 60.0)
+    receiver.expect("x", list(range(blocks)), 0, tokens, 60.0)
     t = time.perf_counter()
     session = LocalSender(hub).open(SimpleNamespace(kv_address="local://d", handle="x"), layout, tokens)
     for layer, (k, v) in enumerate(layers):
