@@ -16,7 +16,9 @@ Autoscaling: each worker deployment has Serve's ``AutoscalingPolicy`` pointing a
 ``PoolAutoscalingPolicy``, which turns what the replicas report from
 ``record_autoscaling_stats()`` into ``PoolSignals`` and asks the pure ``PoolPolicy``
 (cluster/autoscale.py) for the replica count. Serve's own delays are set to zero: our policy's
-windows are the stabilisation. Every decision that changes the target is logged with its
+windows are the stabilisation. Idle means idle: a replica counts a request it served since its
+last report even if none runs at the report, and the pool's sums of Serve's averages are rounded
+up, so a pool at ``min_replicas: 0`` goes to zero only after a whole window without a request. Every decision that changes the target is logged with its
 inputs; desired and actual replicas per pool are Ray metrics (``ray_pdserve_autoscaler_*``).
 
 ``build_app(args)`` is the application builder: ``pdserve serve`` calls it, and a Serve config
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -78,13 +81,16 @@ def signals_from_context(ctx: AutoscalingContext) -> PoolSignals:
         values = [v for v in metrics.get(name, {}).values() if v > 0]  # 0: no request in the window
         return max(values) if values else None
 
+    def some(name: str) -> int:  # rounded up: a pool busy for part of the look-back is not idle
+        return math.ceil(total(name) - 1e-9)
+
     reporting = max(len(metrics.get("running_requests", {})), 1)
     return PoolSignals(
         # What the policy's decisions are relative to: the replicas already asked for (some may still
         # be starting). Against the running ones, a scale-up would be undone while its replica starts.
         replicas=ctx.target_num_replicas,
-        queued_prompt_tokens=round(total("queued_prompt_tokens")),
-        running_requests=round(total("running_requests")),
+        queued_prompt_tokens=some("queued_prompt_tokens"),
+        running_requests=some("running_requests"),
         kv_usage=total("kv_usage") / reporting,
         ttft_p90_ms=worst("ttft_p90_ms"),
         tpot_p90_ms=worst("tpot_p90_ms"),
@@ -258,6 +264,12 @@ class RayStateStore:
         return await self._call("read_kv_events", cursor, count, default=KVEventBatch([], cursor))
 
 
+def _finished_requests(metrics) -> float:
+    """Requests this worker has finished (its finish-reason counter, all reasons)."""
+    return sum(sample.value for family in metrics.requests.collect() for sample in family.samples
+               if sample.name.endswith("_total"))
+
+
 async def _awaited(response):
     return await response
 
@@ -312,6 +324,8 @@ class _PoolWorker:
         log.info("%s replica %s on node %s: worker %s at %s", self.role, self.replica, self.node_id,
                  worker.worker_id, self.server.address)
 
+    _finished_reported = 0.0  # requests finished as of the last autoscaling report
+
     def _servicer_cls(self):
         from pdserve.decode_worker.server import WorkerServicer
 
@@ -325,8 +339,13 @@ class _PoolWorker:
         s = servicer.snapshot()
         ttft = servicer.metrics.recent_ttft.quantile(0.9)
         tpot = servicer.metrics.recent_tpot.quantile(0.9)
+        # A request served between two reports (a short one) still counts: the pool was not idle.
+        finished = _finished_requests(servicer.metrics)
+        served_since = finished > self._finished_reported
+        self._finished_reported = finished
+        running = s.num_running + s.num_waiting
         return {"queued_prompt_tokens": float(s.waiting_prompt_tokens),
-                "running_requests": float(s.num_running + s.num_waiting),
+                "running_requests": float(max(running, 1 if served_since else 0)),
                 "kv_usage": float(s.kv_usage),
                 "ttft_p90_ms": 1000.0 * ttft if ttft is not None else 0.0,
                 "tpot_p90_ms": 1000.0 * tpot if tpot is not None else 0.0}

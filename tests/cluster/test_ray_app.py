@@ -73,6 +73,39 @@ def test_signals_sum_the_replicas_and_take_the_worst_latency():
     assert idle.ttft_p90_ms is None and idle.running_requests == 0  # 0 ms: nothing measured in the window
 
 
+def test_a_pool_busy_for_part_of_the_look_back_is_not_idle():
+    """Serve averages each replica's reports over its look-back: one request in half the window is
+    0.5, which rounding to the nearest would call idle (and a pool at min_replicas 0 would go to zero)."""
+    s = signals_from_context(ctx(1, {"running_requests": [0.5], "queued_prompt_tokens": [0.25]}))
+    assert (s.running_requests, s.queued_prompt_tokens) == (1, 1)
+    policy = PoolAutoscalingPolicy("decode", min_replicas=0, max_replicas=1, downscale_window_s=0)
+    assert policy(ctx(1, {"running_requests": [0.5]}))[0] == 1
+    assert policy(ctx(1, {"running_requests": [0.0]}))[0] == 0
+
+
+def test_a_request_served_between_two_reports_counts_as_load():
+    """Serve samples a replica's load every metrics interval; a short request between two samples
+    must still keep the pool from looking idle."""
+    import asyncio
+
+    from pdserve.decode_worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics()
+    load = SimpleNamespace(waiting_prompt_tokens=0, num_running=0, num_waiting=0, kv_usage=0.0)
+    class Replica(ray_app.DecodeWorker.func_or_class):  # the replica's class, without its engine
+        def __del__(self):  # Serve awaits the real one (the drain); here there is nothing to drain
+            pass
+
+    worker = object.__new__(Replica)
+    worker.server = SimpleNamespace(servicer=SimpleNamespace(snapshot=lambda: load, metrics=metrics))
+    assert asyncio.run(worker.record_autoscaling_stats())["running_requests"] == 0
+    metrics.requests.labels("stop").inc()  # started and finished since the last report
+    assert asyncio.run(worker.record_autoscaling_stats())["running_requests"] == 1
+    assert asyncio.run(worker.record_autoscaling_stats())["running_requests"] == 0  # nothing since
+    load.num_running = 3
+    assert asyncio.run(worker.record_autoscaling_stats())["running_requests"] == 3
+
+
 def test_requests_waiting_for_a_pool_at_zero_are_the_cold_start_signal():
     assert signals_from_context(ctx(0, {}, total_requests=3)).waiting_for_replica == 3
     assert signals_from_context(ctx(1, {"running_requests": [2]}, total_requests=3)).waiting_for_replica == 0
