@@ -10,7 +10,7 @@ import yaml
 
 from pdserve.cluster.config import ServeConfig, load_serve_config
 from pdserve.configs import ConfigError
-from pdserve.router.policy import DisaggregationConfig, prefill_route
+from pdserve.router.policy import DisaggregationConfig, PrefillInputs, prefill_route
 from tests.cluster.test_cli import pdserve
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "deploy" / "examples").glob("*.yaml"))
@@ -46,9 +46,9 @@ def test_the_yaml_thresholds_drive_the_disaggregation_decision(tmp_path):
     path.write_text("router: {disagg_min_prompt_tokens: 500, disagg_min_uncached_tokens: 100}\n")
     router = load_serve_config(path).router
     decision = DisaggregationConfig(router.disagg_min_prompt_tokens, router.disagg_min_uncached_tokens)
-    assert prefill_route(499, 0, True, decision) == "local_short"
-    assert prefill_route(800, 750, True, decision) == "local_cached"
-    assert prefill_route(800, 0, True, decision) == "remote"
+    assert prefill_route(PrefillInputs(499, True), decision) == "local_short"
+    assert prefill_route(PrefillInputs(800, True, reserved=True, cached_tokens=750), decision) == "local_cached"
+    assert prefill_route(PrefillInputs(800, True, reserved=True), decision) == "remote"
 
 
 @pytest.mark.parametrize(("text", "message"), [
