@@ -18,8 +18,9 @@ Autoscaling: each worker deployment has Serve's ``AutoscalingPolicy`` pointing a
 (cluster/autoscale.py) for the replica count. Serve's own delays are set to zero: our policy's
 windows are the stabilisation. Idle means idle: a replica counts a request it served since its
 last report even if none runs at the report, and the pool's sums of Serve's averages are rounded
-up, so a pool at ``min_replicas: 0`` goes to zero only after a whole window without a request. Every decision that changes the target is logged with its
-inputs; desired and actual replicas per pool are Ray metrics (``ray_pdserve_autoscaler_*``).
+up, so a pool at ``min_replicas: 0`` goes to zero only after a whole window without a request.
+Every decision that changes the target is logged with its inputs; desired and actual replicas
+per pool are Ray metrics (``ray_pdserve_autoscaler_*``).
 
 ``build_app(args)`` is the application builder: ``pdserve serve`` calls it, and a Serve config
 file names it (``import_path: pdserve.cluster.ray_app:build_app``, ``args: {cluster: {...}}``,
