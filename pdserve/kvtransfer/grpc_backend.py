@@ -26,6 +26,10 @@ _OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_mess
 
 class GrpcSender:
     def __init__(self, loop: asyncio.AbstractEventLoop, faults: KVFaults = KVFaults(), timeout_s: float = 120.0):
+        """``timeout_s``: how long the receiver may take to answer once the commit is sent. The
+        stream itself has no deadline: it lasts as long as the prompt's prefill (chunks go out as
+        each step computes them), minutes for a long prompt on a loaded machine; a receiver that
+        stops reading fails the transfer by its lease, a sender that stops by the receiver's."""
         self.loop = loop
         self.faults = faults
         self.timeout_s = timeout_s
@@ -57,6 +61,7 @@ class GrpcSession:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._first = True
         self._call = None
+        self._overdue = False  # the receiver did not answer within timeout_s of the commit
         asyncio.run_coroutine_threadsafe(self._run(), sender.loop)
 
     # ---- engine thread --------------------------------------------------------------------
@@ -95,7 +100,8 @@ class GrpcSession:
     async def _messages(self):
         while True:
             item = await self._queue.get()
-            if item is None:
+            if item is None:  # everything sent: the answer is due within timeout_s
+                self.sender.loop.call_later(self.sender.timeout_s, self._answer_overdue)
                 return
             if isinstance(item, tuple):
                 kind, arg = item
@@ -110,17 +116,32 @@ class GrpcSession:
                 self._first = False
             yield item
 
+    def _answer_overdue(self) -> None:
+        if self._call is not None and not self._call.done():
+            self._overdue = True
+            self._call.cancel()
+
     async def _run(self) -> None:
         try:
-            self._call = self.sender.stub(self.address).PushKV(self._messages(), timeout=self.sender.timeout_s)
+            self._call = self.sender.stub(self.address).PushKV(self._messages())
             response = await self._call
             result = (response.ok, response.error or None)
         except _Aborted as e:
             result = (False, f"aborted by the sender: {e}")
         except grpc.aio.AioRpcError as e:
             result = (False, f"{e.code().name}: {e.details()}")
+        except asyncio.CancelledError:
+            if not self._overdue:  # the worker is shutting down
+                self._resolve((False, "cancelled"))
+                raise
+            result = (False, "cancelled")
         except Exception as e:  # never leave the future unresolved
             result = (False, repr(e))
+        if self._overdue:
+            result = (False, f"DEADLINE_EXCEEDED: no answer {self.sender.timeout_s:g} s after the commit")
+        self._resolve(result)
+
+    def _resolve(self, result: tuple[bool, str | None]) -> None:
         if not self.done.done():
             self.done.set_result(result)
 

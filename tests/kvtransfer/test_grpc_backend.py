@@ -119,3 +119,56 @@ def test_an_unknown_backend_is_refused_naming_the_registry(models):
     error = with_pair(models, "float32", body)
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "unknown 'carrier-pigeon'; known: ['grpc', 'local', 'torch']" in error.details()
+
+
+class _Answering(pb_grpc.WorkerServicer):
+    """A receiver that reads a whole stream, then answers ok, or never (``answer`` False)."""
+
+    def __init__(self, answer: bool):
+        self.answer = answer
+        self.chunks = 0
+
+    async def PushKV(self, request_iterator, context):
+        async for _ in request_iterator:
+            self.chunks += 1
+        if not self.answer:
+            await asyncio.Event().wait()
+        return pb.PushKVResponse(ok=True)
+
+
+def push_slowly(answer: bool, timeout_s: float, gap_s: float) -> tuple[tuple[bool, str | None], int]:
+    """One chunk, ``gap_s`` of a prefill still computing, another chunk, the commit."""
+    from pdserve.kvtransfer.base import KVLayout
+    from pdserve.kvtransfer.grpc_backend import GrpcSender
+
+    async def main():
+        receiver = _Answering(answer)
+        server = grpc.aio.server()
+        port = server.add_insecure_port("127.0.0.1:0")
+        pb_grpc.add_WorkerServicer_to_server(receiver, server)
+        await server.start()
+        try:
+            sender = GrpcSender(asyncio.get_running_loop(), timeout_s=timeout_s)
+            session = sender.open(pb.ReserveResponse(handle="h", kv_address=f"127.0.0.1:{port}"),
+                                  KVLayout("m", "float32", 16, 2, 2, 4), 16)
+            block = torch.zeros(1, 2 * 16 * 4)
+            session.send_layer(0, 0, block, block)
+            await asyncio.sleep(gap_s)
+            session.send_layer(1, 0, block, block)
+            session.commit()
+            return await asyncio.wait_for(asyncio.wrap_future(session.done), 60), receiver.chunks
+        finally:
+            await server.stop(0)
+
+    return asyncio.run(main())
+
+
+def test_a_stream_may_last_longer_than_the_answer_timeout():
+    """The stream lasts as long as the prompt's prefill: no deadline on it, only on the answer."""
+    assert push_slowly(answer=True, timeout_s=0.2, gap_s=1.0) == ((True, None), 3)
+
+
+def test_a_receiver_that_never_answers_the_commit_fails_the_transfer():
+    (ok, error), chunks = push_slowly(answer=False, timeout_s=0.5, gap_s=0.0)
+    assert chunks == 3
+    assert not ok and error == "DEADLINE_EXCEEDED: no answer 0.5 s after the commit"
