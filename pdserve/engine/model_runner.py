@@ -110,6 +110,10 @@ class ModelRunner:
         views = [_RowView(item.request, item.spec_token_ids[:i]) if item.num_spec else item.request
                  for item, rows in sampling for i in range(len(rows))]
         any_spec = any(item.num_spec for item, _ in sampling)
+        # A seeded request verifying k proposals draws k + 1 times; it is rewound afterwards to
+        # where one draw per emitted token leaves it (see spec_decode: seeded sampling).
+        rewind = {id(item): item.request.generator.get_state() for item, _ in sampling
+                  if item.num_spec and item.request.generator is not None}
         tokens, logprobs = self.sampler(logits.clone() if any_spec else logits, views)  # it works in place
         r = 0
         for item, rows in sampling:
@@ -121,6 +125,9 @@ class ModelRunner:
             else:
                 emitted = self._verify(item, logits[r : r + n], views[r : r + n], tokens[r : r + n])
                 out.sampled_token_ids[request.request_id] = emitted
+                if id(item) in rewind:
+                    request.generator.set_state(rewind[id(item)])
+                    torch.empty(len(emitted), logits.shape[-1]).exponential_(generator=request.generator)
                 if request.sampling_params.logprobs is not None:
                     out.logprobs[request.request_id] = [
                         lp if lp is not None and lp.sampled.token_id == t else

@@ -14,7 +14,10 @@ so their slots are overwritten later).
            scheduler.update(...)                   accepted tokens appended, rejected KV rolled back
 
 Verification is exact. Greedy: the target's argmax at each row, accepted while it equals the
-proposal. Sampling: modified rejection sampling (Leviathan et al., Chen et al. 2023): proposal
+proposal. Seeded sampling: the target's own draw at each row (from the request's generator),
+accepted while it equals the proposal; the generator then stands where one draw per emitted
+token leaves it, so the output is token for token what the request gives without speculation.
+Other sampling: modified rejection sampling (Leviathan et al., Chen et al. 2023): proposal
 ``d`` drawn from ``q`` is kept with probability ``min(1, p(d) / q(d))``; on rejection a token is
 drawn from ``norm(max(0, p - q))``; after k acceptances a bonus token from ``p``. Proposals that
 are deterministic (n-gram lookup, a greedy draft) are ``q`` one-hot, where this is "draw from
@@ -159,10 +162,12 @@ class DraftProposer:
             item.draft_probs = None if any(x is None for x in q) else torch.stack(q)
 
     def _propose_one(self, logits: torch.Tensor, request: Request) -> tuple[int, torch.Tensor | None]:
-        """Greedy requests get the draft's argmax (q one-hot, returned as None); sampled ones a
-        draw from the draft's own distribution under the request's temperature, top-k and top-p."""
+        """Greedy and seeded requests get the draft's argmax (q one-hot, returned as None: the
+        target's own draws decide, so a seeded request outputs what it would without a draft);
+        other sampled ones a draw from the draft's own distribution under the request's
+        temperature, top-k and top-p (more accepted, the same distribution)."""
         params = request.sampling_params
-        if params.greedy:
+        if params.greedy or request.generator is not None:
             return int(logits.argmax()), None
         from pdserve.engine.sampler import _top_k_top_p
 

@@ -155,7 +155,8 @@ def test_min_tokens_holds_eos_back_also_with_ignore_eos():
 @pytest.mark.slow
 def test_a_stop_string_inside_an_accepted_run_of_proposals_keeps_the_same_tokens(default_model):
     """Speculative decoding emits several tokens a step; the tokens after the one completing a
-    stop string are dropped, so tokens, logprobs and counts equal one token per step."""
+    stop string are dropped, so tokens, logprobs and counts equal one token per step. A seeded
+    sampled request outputs exactly what it does without speculation."""
     import json
 
     from pdserve.engine import EngineConfig, LLMEngine
@@ -182,5 +183,9 @@ def test_a_stop_string_inside_an_accepted_run_of_proposals_keeps_the_same_tokens
         assert one_engine(spec, prompt, params) == expected, stop
         checked += spec.stats().spec_accepted > before
     assert checked >= 2, "no stop string fell in an accepted run of proposals"
+    seeded = SamplingParams(temperature=0.3, seed=3, max_tokens=30, ignore_eos=True, logprobs=1)
+    before = spec.stats().spec_accepted
+    assert one_engine(spec, prompt, seeded) == one_engine(plain, prompt, seeded)
+    assert spec.stats().spec_accepted > before, "the seeded request accepted no proposal"
     assert_no_leaks(plain)
     assert_no_leaks(spec)
