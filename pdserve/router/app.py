@@ -79,6 +79,8 @@ class RouterConfig:
     max_batch: int = doc(1024, "most completions one request may ask for (prompts x n); past it, a 400")
     startup_wait_s: float = doc(60.0, "how long a request waits for a decode worker when none is in rotation "
                                       "(the first still starting) before a 503; /ready answers 503 meanwhile")
+    stream_idle_timeout_s: float = doc(60.0, "a worker stream that sends nothing for this long after its first "
+                                             "token is given up: the request continues on another decode worker")
 
 
 # Bodies up to this size are parsed and tokenised on the event loop (a millisecond or two); larger
@@ -97,7 +99,8 @@ class Router:
         self.metrics = RouterMetrics()
         disaggregation = DisaggregationConfig(config.disagg_min_prompt_tokens, config.disagg_min_uncached_tokens)
         self.dispatcher = Dispatcher(pool, POLICIES[config.policy](), least_queued_prefill, disaggregation,
-                                     self.metrics, waker=waker, wait_for_worker_s=config.startup_wait_s)
+                                     self.metrics, waker=waker, wait_for_worker_s=config.startup_wait_s,
+                                     stream_idle_timeout_s=config.stream_idle_timeout_s)
         self.inflight = 0
         self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                             thread_name_prefix="router-prepare")
@@ -295,7 +298,8 @@ class Router:
         for p, (ids, prefix) in enumerate(prompts):
             for j in range(params.n):
                 index = p * params.n + j
-                choices.append(Choice(index, prefix=prefix))
+                echo_ids = ids if params.prompt_logprobs is not None else []
+                choices.append(Choice(index, prefix=prefix, prompt_ids=echo_ids))
                 seed = None if params.seed is None else params.seed + j
                 requests.append(pb.GenerateRequest(
                     request_id=f"{rid}-{index}", prompt_token_ids=ids, cache_salt=body.cache_salt or "",

@@ -171,8 +171,6 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: only best_of == n is supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: echo with logprobs (prompt logprobs) is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt: must not be empty")
         return self
@@ -186,7 +184,10 @@ class CompletionRequest(_Sampling):
         return list(p)
 
     def engine_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        params = self.sampling_params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs too (vLLM)
+            params = params.replace(prompt_logprobs=self.logprobs)
+        return params
 
 
 class TokenizeCompletionRequest(BaseModel):

@@ -29,10 +29,15 @@ class Choice:
     first_token_at: float | None = None
     last_token_at: float | None = None
     text_len: int = 0  # characters of generated text so far (logprobs' text offsets)
+    prompt_ids: list[int] = field(default_factory=list)  # echo with logprobs: the prompt's tokens
+    prompt_logprobs: list[TokenLogprobs] | None = None  # theirs from position 1 on (the first message brings them)
+    prompt_logprobs_sent: bool = False  # streaming: already in a chunk
 
     def add(self, msg: pb.GenerateResponse, now: float) -> tuple[str, list[TokenLogprobs]]:
         """Record a message; return its text and logprobs."""
         lps = logprobs_of(msg.logprobs) if msg.logprobs else []
+        if msg.prompt_logprobs:
+            self.prompt_logprobs = logprobs_of(msg.prompt_logprobs)
         self.text_len += len(msg.text)
         self.text.append(msg.text)
         self.token_ids.extend(msg.token_ids)
@@ -97,8 +102,19 @@ class Formatter:
             content.append({"token": text, "logprob": lp.sampled.logprob, "bytes": raw, "top_logprobs": top})
         return {"content": content}
 
-    def completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> dict:
+    def completion_logprobs(self, lps: list[TokenLogprobs], offset: int, echo: Choice | None = None) -> dict:
+        """Completions' logprobs; with ``echo`` (a choice with prompt logprobs) the prompt's tokens
+        come first, the first of them without a logprob (nothing precedes it), as vLLM does."""
         tokens, token_logprobs, top, offsets = [], [], [], []
+        if echo is not None and echo.prompt_logprobs is not None:
+            at = 0
+            for token_id, lp in zip(echo.prompt_ids, [None, *echo.prompt_logprobs]):
+                text, _ = self._token(token_id)
+                tokens.append(text)
+                token_logprobs.append(lp.sampled.logprob if lp else None)
+                top.append({self._token(t.token_id)[0]: t.logprob for t in lp.top} if lp else None)
+                offsets.append(at)
+                at += len(text)
         for lp in lps:
             text, _ = self._token(lp.sampled.token_id)
             tokens.append(text)
@@ -123,7 +139,7 @@ class Formatter:
             body["logprobs"] = self.chat_logprobs(c.logprobs) if want_logprobs else None
         else:
             body["text"] = c.full_text
-            body["logprobs"] = self.completion_logprobs(c.logprobs, len(c.prefix)) if want_logprobs else None
+            body["logprobs"] = self.completion_logprobs(c.logprobs, len(c.prefix), c) if want_logprobs else None
         return body
 
     # ---- stream chunks ----------------------------------------------------------------------
@@ -147,8 +163,10 @@ class Formatter:
                       "logprobs": self.chat_logprobs(lps) if want_logprobs and lps else None,
                       "finish_reason": c.finish_reason}
         else:
+            echo = c if c.prompt_logprobs is not None and not c.prompt_logprobs_sent else None
+            c.prompt_logprobs_sent = c.prompt_logprobs_sent or echo is not None
             choice = {"index": c.index, "text": text,
-                      "logprobs": self.completion_logprobs(lps, offset) if want_logprobs and lps else None,
+                      "logprobs": self.completion_logprobs(lps, offset, echo) if want_logprobs and lps else None,
                       "finish_reason": c.finish_reason}
         if finished:
             choice["stop_reason"] = c.stop_reason

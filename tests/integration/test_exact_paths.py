@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -143,11 +144,10 @@ def _migrated_answer(cluster, question: str, kw: dict, act) -> dict:
     return result
 
 
-def test_migration_keeps_held_back_text_and_stop_strings(reference):
+def test_migration_keeps_held_back_text_and_stop_strings():
     """A decode worker killed mid-stream: the next one sends the text the first held back (a long
     stop string that never completes keeps 28 characters held back at every step)."""
-    q, kw, _, expected = next((q, kw, w, s) for q, kw, w, s in reference if kw.get("max_tokens") == 24)
-    kw = {**kw, "max_tokens": 200}
+    q, kw = QUESTIONS[2], {"stop": ["x" * 24 + "NEVER"], "max_tokens": 160, "ignore_eos": True}
     colocated = start_cluster(MODEL, decode=1, engine_flags=ENGINE)
     try:
         expected = chat(colocated.base_url, q, stream=True, **kw)
@@ -198,7 +198,7 @@ def test_a_hung_decode_worker_leaving_the_rotation_moves_its_streams():
                 p.send_signal(signal.SIGKILL)
                 p.wait()
         assert got["finish"] == "length" and got["tokens"] == 120
-        assert "left the rotation" in open(log.name).read()
+        assert "left the rotation" in Path(log.name).read_text()
     finally:
         if router is not None:
             router.terminate()

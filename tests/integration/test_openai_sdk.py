@@ -17,7 +17,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0)
+    c = openai.OpenAI(base_url=served.base_url + "/v1", api_key="unused", max_retries=0)
+    yield c
+    c.close()
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +128,27 @@ def test_32_concurrent_streams_match_their_solo_runs(served, offline):
         prompt = offline.tokenizer.encode_chat([{"role": "user", "content": q}])
         assert_text_matches_greedy(offline, prompt, text, 24, q)
     assert all(s.num_running == 0 and s.num_free_kv_blocks == s.num_kv_blocks for s in served.stats())
+
+
+def test_echo_with_logprobs_gives_the_prompt_logprobs(client, offline):
+    """echo + logprobs: the prompt's tokens come first with their logprobs (the first has none),
+    equal to the engine's own prompt logprobs, then the completion's."""
+    from pdserve.engine import SamplingParams
+
+    prompt = "The three primary colours are"
+    out = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4, echo=True, logprobs=2)
+    lp = out.choices[0].logprobs
+    ids = offline.tokenizer.encode(prompt)
+    assert out.choices[0].text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + out.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    offline.add_request("echo", ids, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))
+    reference = None
+    while offline.has_unfinished():
+        for o in offline.step():
+            reference = o.prompt_logprobs or reference
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - reference[i].sampled.logprob) < 1e-3, i
+        assert len(lp.top_logprobs[i]) == 2
+    assert all(x is not None for x in lp.token_logprobs[len(ids):])
+    assert lp.text_offset[: len(ids)] == sorted(lp.text_offset[: len(ids)]) and lp.text_offset[0] == 0
