@@ -1,1 +1,2 @@
-"""The control plane: the pdserve CLI, configuration, launching pools, autoscaling, state store."""
+"""The control plane: the pdserve CLI, configuration, launching pools, autoscaling (the state
+store they use is pdserve.state)."""

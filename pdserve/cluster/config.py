@@ -25,10 +25,10 @@ from typing import Any, Literal
 import yaml
 
 from pdserve.cluster.autoscale import AutoscalingConfig
-from pdserve.cluster.state_store import StateStoreConfig
 from pdserve.configs import ConfigError, doc, from_dict
 from pdserve.engine.config import EngineConfig
 from pdserve.router.app import RouterConfig
+from pdserve.state.store import StateStoreConfig
 
 
 @dataclass(frozen=True)

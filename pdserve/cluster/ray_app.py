@@ -41,7 +41,7 @@ from ray import serve
 from ray.serve.config import AutoscalingContext
 
 from pdserve.cluster.autoscale import AutoscalingConfig, PoolPolicy, PoolSignals
-from pdserve.cluster.state_store import (
+from pdserve.state.store import (
     KVEventBatch,
     KVEventRecord,
     MemoryStateStore,
@@ -279,7 +279,7 @@ def _store_client(config, store_handle):
     """The state store a replica talks to: the StateStore deployment, or Redis."""
     if store_handle is not None:
         return RayStateStore(store_handle)
-    from pdserve.cluster.state_store import make_state_store
+    from pdserve.state.store import make_state_store
 
     return make_state_store(config.state_store)
 
@@ -295,8 +295,9 @@ class _PoolWorker:
     async def __init__(self, cluster: dict, store=None):
         import ray
 
-        from pdserve.decode_worker.server import WorkerConfig, WorkerServer
         from pdserve.engine.engine import LLMEngine
+        from pdserve.worker.config import WorkerConfig
+        from pdserve.worker.server import WorkerServer
 
         config = _config(cluster)
         pool = getattr(config.pools, self.role)
@@ -328,9 +329,9 @@ class _PoolWorker:
     _finished_reported = 0.0  # requests finished as of the last autoscaling report
 
     def _servicer_cls(self):
-        from pdserve.decode_worker.server import WorkerServicer
+        from pdserve.decode_worker.server import DecodeServicer
 
-        return WorkerServicer
+        return DecodeServicer
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """This worker's load for the pool's policy (Serve averages it over its look-back period)."""

@@ -23,8 +23,9 @@ def _serve_config(args: argparse.Namespace, **sections: dict):
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from pdserve.decode_worker.server import WorkerConfig, WorkerServicer, serve
     from pdserve.engine.engine import LLMEngine
+    from pdserve.worker.config import WorkerConfig
+    from pdserve.worker.server import serve
 
     cluster = _serve_config(args, engine=collect_arguments(args, EngineConfig))
     worker_options = {"kv_backend": cluster.kv_transfer.backend, "kv_lease_ms": cluster.kv_transfer.lease_ms,
@@ -32,11 +33,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
                       **_registration_options(cluster.state_store), **collect_arguments(args, WorkerConfig)}
     worker = from_dict(WorkerConfig, worker_options)
     engine = LLMEngine(cluster.engine)
-    servicer = WorkerServicer
     if args.role == "prefill":
-        from pdserve.prefill_worker.server import PrefillServicer
-
-        servicer = PrefillServicer
+        from pdserve.prefill_worker.server import PrefillServicer as servicer
+    else:
+        from pdserve.decode_worker.server import DecodeServicer as servicer
     asyncio.run(serve(engine, worker, servicer))
     return 0
 
@@ -69,8 +69,8 @@ def _run_router(router_config, model: str, addresses: list[str], store=None, soc
     pool = WorkerPool(addresses, poll_interval_s=router_config.poll_interval_s)
     discovery = None
     if store is not None and store.backend != "memory":
-        from pdserve.cluster.state_store import make_state_store
         from pdserve.router.discovery import StoreDiscovery
+        from pdserve.state.store import make_state_store
 
         discovery = StoreDiscovery(pool, make_state_store(store), router_config.poll_interval_s, store.ttl_s)
     router = Router(router_config, pool, load_tokenizer(model), model, discovery)
@@ -284,8 +284,8 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_commands(sub) -> None:
-    from pdserve.decode_worker.config import WorkerConfig
     from pdserve.router.app import RouterConfig
+    from pdserve.worker.config import WorkerConfig
 
     serve = sub.add_parser(
         "serve", help="serve the OpenAI API: the router and the prefill and decode pools",

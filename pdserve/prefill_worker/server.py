@@ -13,8 +13,9 @@ A request's lifecycle through this worker::
       after the last layer: commit --> PrefillResponse(transfer_done, ok | error)
     caller gone -> the prefill is aborted and the transfer with it
 
-The worker also serves the common ``Worker`` RPCs (health, load snapshot, drain), and colocated
-``Generate`` if asked.
+The worker also serves what every worker serves (``worker.servicer``: health, load snapshot,
+drain, abort, and colocated ``Generate`` if asked). It receives no KV: ``Reserve`` and ``PushKV``
+answer UNIMPLEMENTED. ``WorkerServer(engine, config, PrefillServicer)`` (worker/server.py) hosts it.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ import time
 
 import grpc
 
-from pdserve.decode_worker import convert
-from pdserve.decode_worker.server import WorkerServicer
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.kvtransfer.base import KVLayout, KVSender, SenderContext, TransferError, sender_class
 from pdserve.kvtransfer.faults import KVFaults
 from pdserve.prefill_worker.export import Export, KVExporter
 from pdserve.proto.v1 import worker_pb2 as pb
+from pdserve.worker import convert
+from pdserve.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,7 @@ class PrefillServicer(WorkerServicer):
         return self.senders[name]
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
+        await self._refuse_if_draining(context)
         received = time.perf_counter()
         dest = request.destination
         problem = KVLayout.from_proto(dest.layout).mismatch(self.layout)  # the destination receives

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class StoreDiscovery:
     def __init__(self, pool: WorkerPool, store, interval_s: float = 0.5, grace_s: float = 5.0):
         self.pool = pool
-        self.store = store  # a pdserve.cluster.state_store.StateStore, started and closed here
+        self.store = store  # a pdserve.state.store.StateStore, started and closed here
         self.interval_s = interval_s
         self.grace_s = grace_s
         self.static = {w.address for w in pool.workers}

@@ -6,16 +6,14 @@ Latency definitions, the same ones ``pdserve bench`` measures from outside:
 - time per output token (TPOT): (end-to-end - TTFT) / (output tokens - 1), for outputs of
   two tokens or more;
 - end-to-end latency: request received -> last byte of the response.
+The workers measure the same, with the same buckets (pdserve/buckets.py).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
-                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
-                  2.5, 5.0)
+from pdserve.buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 
 class RouterMetrics:

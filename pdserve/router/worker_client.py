@@ -62,7 +62,7 @@ def stop_reason_of(msg: pb.GenerateResponse) -> str | int | None:
 
 
 def invalid_from_details(details: str) -> InvalidRequestError | None:
-    """The worker's INVALID_ARGUMENT detail (decode_worker/convert.py encodes it) as an error."""
+    """The worker's INVALID_ARGUMENT detail (worker/convert.py encodes it) as an error."""
     try:
         data = json.loads(details)
         err = InvalidRequestError(data["field"], "", data.get("code", "invalid_value"))

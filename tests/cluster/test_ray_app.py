@@ -88,7 +88,7 @@ def test_a_request_served_between_two_reports_counts_as_load():
     must still keep the pool from looking idle."""
     import asyncio
 
-    from pdserve.decode_worker.metrics import WorkerMetrics
+    from pdserve.worker.metrics import WorkerMetrics
 
     metrics = WorkerMetrics()
     load = SimpleNamespace(waiting_prompt_tokens=0, num_running=0, num_waiting=0, kv_usage=0.0)

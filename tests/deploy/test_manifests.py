@@ -506,8 +506,8 @@ def test_dockerfile_structure():
 
 def defined_metric_names() -> set[str]:
     """Every series name the router and the workers export (counters with _total, histograms' parts)."""
-    from pdserve.decode_worker.metrics import WorkerMetrics
     from pdserve.router.metrics import RouterMetrics
+    from pdserve.worker.metrics import WorkerMetrics
 
     names = set()
     for metrics in (RouterMetrics(), WorkerMetrics()):

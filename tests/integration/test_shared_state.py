@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready
-from pdserve.cluster.state_store import StateStoreConfig, make_state_store
+from pdserve.state.store import StateStoreConfig, make_state_store
 from tests.integration.conftest import start_router
 from tests.integration.test_serve_cli import start_serve
 from tests.redis_server import RedisServer, redis_binary

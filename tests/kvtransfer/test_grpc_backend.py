@@ -10,11 +10,13 @@ import grpc
 import pytest
 import torch
 
-from pdserve.decode_worker.server import WorkerConfig, WorkerServer
+from pdserve.decode_worker.server import DecodeServicer
 from pdserve.engine import EngineConfig, LLMEngine
 from pdserve.prefill_worker.server import PrefillServicer
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.server import WorkerServer
 from tests.conftest import run_to_completion
 from tests.kvtransfer.test_local_backend import GREEDY
 
@@ -39,7 +41,7 @@ def with_pair(models, dtype: str, body, prefill_options=None):
     """Run ``body(decode_stub, prefill_stub)`` against a decode and a prefill worker server."""
 
     async def main():
-        decode = WorkerServer(engine(models, dtype), WorkerConfig(port=0))
+        decode = WorkerServer(engine(models, dtype), WorkerConfig(port=0), DecodeServicer)
         prefill = WorkerServer(engine(models, dtype, **(prefill_options or {})), WorkerConfig(port=0),
                                PrefillServicer)
         await decode.start()

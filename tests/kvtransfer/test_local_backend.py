@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def layout_of(engine) -> KVLayout:
-    from pdserve.decode_worker.server import engine_layout
+    from pdserve.worker.servicer import engine_layout
 
     return engine_layout(engine)
 

@@ -1,8 +1,10 @@
-"""A worker's Prometheus metrics (served on ``--metrics-port`` when given).
+"""A worker's Prometheus metrics (served on ``--metrics-port`` when given), both roles'.
 
-The latency histograms have the router's definitions (router/metrics.py), measured from the
-moment the worker receives a request: the difference between the router's and the worker's
-is what routing and the network add.
+The latency histograms have the router's definitions (router/metrics.py) and buckets
+(pdserve/buckets.py), measured from the moment the worker receives a request: the difference
+between the router's and the worker's is what routing and the network add. The KV-transfer
+metrics of both sides are here too: a decode worker counts what it receives, a prefill worker
+what it sends.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
 from pdserve.engine.block_pool import KVEventBuffer
-from pdserve.router.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 
 class RecentQuantile:

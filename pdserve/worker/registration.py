@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
-from pdserve.cluster.state_store import KVEventRecord, StateStore, StateStoreConfig, WorkerRecord, make_state_store
+from pdserve.state.store import KVEventRecord, StateStore, StateStoreConfig, WorkerRecord, make_state_store
+
+if TYPE_CHECKING:
+    from pdserve.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
 
 
 class Registration:
-    def __init__(self, store: StateStore, servicer, interval_s: float):
+    def __init__(self, store: StateStore, servicer: WorkerServicer, interval_s: float):
         self.store = store
         self.servicer = servicer
         self.interval_s = interval_s
@@ -67,7 +71,7 @@ class Registration:
         await self.store.close()
 
 
-async def register(servicer, url: str, heartbeat_s: float, ttl_s: float) -> Registration:
+async def register(servicer: WorkerServicer, url: str, heartbeat_s: float, ttl_s: float) -> Registration:
     """Register ``servicer``'s worker in the Redis at ``url`` and keep it there."""
     config = StateStoreConfig(backend="redis", url=url, heartbeat_s=heartbeat_s, ttl_s=ttl_s)
     registration = Registration(make_state_store(config), servicer, heartbeat_s)

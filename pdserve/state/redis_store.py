@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pdserve.cluster.state_store import KVEventBatch, KVEventRecord, StateStoreConfig, WorkerRecord
+from pdserve.state.store import KVEventBatch, KVEventRecord, StateStoreConfig, WorkerRecord
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -146,8 +146,8 @@ class MemoryStateStore:
 
 
 STATE_STORES: dict[str, str | Callable[[StateStoreConfig], StateStore]] = {
-    "memory": "pdserve.cluster.state_store:MemoryStateStore",
-    "redis": "pdserve.cluster.redis_store:RedisStateStore",
+    "memory": "pdserve.state.store:MemoryStateStore",
+    "redis": "pdserve.state.redis_store:RedisStateStore",
 }
 
 

@@ -12,7 +12,8 @@ import uuid
 import pytest
 
 from pdserve.cluster.config import load_serve_config
-from pdserve.cluster.state_store import (
+from pdserve.configs import ConfigError
+from pdserve.state.store import (
     STATE_STORES,
     KVEventRecord,
     MemoryStateStore,
@@ -21,7 +22,6 @@ from pdserve.cluster.state_store import (
     make_state_store,
     register_state_store,
 )
-from pdserve.configs import ConfigError
 from tests.redis_server import RedisServer, redis_binary, redis_server  # noqa: F401 (a fixture)
 
 
@@ -119,7 +119,7 @@ def test_redis_going_away_answers_the_last_known_state_and_resyncs(caplog):
         assert [w.worker_id for w in await store.workers()] == ["d1"]
         cursor = (await store.read_kv_events()).cursor
         server.stop()
-        with caplog.at_level(logging.WARNING, logger="pdserve.cluster.redis_store"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.state.redis_store"):
             for _ in range(3):
                 assert [w.worker_id for w in await store.workers()] == ["d1"]  # the last known state
                 await store.heartbeat(record("d1"))  # dropped, no exception
@@ -143,7 +143,7 @@ def test_redis_going_away_answers_the_last_known_state_and_resyncs(caplog):
 
 def test_backends_by_name_load_lazily_and_accept_fakes():
     assert isinstance(make_state_store(StateStoreConfig()), MemoryStateStore)
-    assert STATE_STORES["redis"] == "pdserve.cluster.redis_store:RedisStateStore"  # a string until chosen
+    assert STATE_STORES["redis"] == "pdserve.state.redis_store:RedisStateStore"  # a string until chosen
     register_state_store("fake", lambda config: MemoryStateStore(config))
     try:
         assert isinstance(make_state_store(StateStoreConfig(backend="fake")), MemoryStateStore)  # type: ignore

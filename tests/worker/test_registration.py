@@ -10,11 +10,12 @@ import uuid
 
 import pytest
 
-from pdserve.cluster.state_store import StateStoreConfig, make_state_store
-from pdserve.decode_worker.registration import Registration
-from pdserve.decode_worker.server import WorkerConfig, WorkerServicer
+from pdserve.decode_worker.server import DecodeServicer
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.state.store import StateStoreConfig, make_state_store
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.registration import Registration
 from tests.redis_server import redis_server  # noqa: F401 (a fixture)
 
 
@@ -40,7 +41,7 @@ def test_heartbeats_publish_numbered_events_and_what_was_dropped_is_a_gap(make_e
     engine = make_engine(num_kv_blocks=16)  # keeps 64 events
     buffer = engine.kv.pool.events
     async_engine = AsyncEngine(engine)
-    servicer = WorkerServicer(async_engine, "d1", WorkerConfig(), "127.0.0.1:1")
+    servicer = DecodeServicer(async_engine, "d1", WorkerConfig(), "127.0.0.1:1")
 
     async def main() -> None:
         store = make_state_store(store_config)
