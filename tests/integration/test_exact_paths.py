@@ -204,6 +204,7 @@ def test_a_hung_decode_worker_leaving_the_rotation_moves_its_streams():
             router.terminate()
             router.wait(30)
         stop_workers(workers, grace_s=10)
+        log.close()
 
 
 def _wait_ready(url: str, proc: subprocess.Popen) -> None:
