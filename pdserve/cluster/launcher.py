@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 READY = "PDSERVE_WORKER_READY"
+PARENT_ENV = "PDSERVE_PARENT_PID"  # the worker dies with this process (see die_with_launcher)
 
 
 @dataclass
@@ -37,10 +38,24 @@ class WorkerProcess:
 
 
 def start_worker(role: str, args: list[str], env: dict[str, str] | None = None) -> WorkerProcess:
+    # No preexec_fn: with one, Popen must fork and run Python in the child, and a parent that has
+    # used gRPC then runs gRPC's fork handlers, which crashed 1-4 children in 200 (SIGABRT at
+    # start-up). Without it the child is spawned (vfork + exec) and sets its own death signal.
     cmd = [sys.executable, "-P", "-m", "pdserve.cluster.cli", "worker", role, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
-                            preexec_fn=die_with_parent)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())})
     return WorkerProcess(role, proc)
+
+
+def die_with_launcher() -> None:
+    """In a worker started by ``start_worker``: SIGTERM when the launcher dies (even by SIGKILL),
+    so no worker outlives the command that started it; exit now if it is already gone."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None:
+        return
+    die_with_parent()
+    if os.getppid() != int(parent):  # the launcher died before the death signal was set
+        sys.exit(0)
 
 
 def die_with_parent() -> None:

@@ -23,6 +23,9 @@ def _serve_config(args: argparse.Namespace, **sections: dict):
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from pdserve.cluster.launcher import die_with_launcher
+
+    die_with_launcher()
     from pdserve.engine.engine import LLMEngine
     from pdserve.worker.config import WorkerConfig
     from pdserve.worker.server import serve
