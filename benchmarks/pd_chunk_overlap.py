@@ -1,7 +1,9 @@
 """What disaggregation adds to TTFT for prompts prefilled in several chunks.
 
-    python benchmarks/pd_chunk_overlap.py                        # this checkout, about 6 minutes on 2 cores
-    python benchmarks/pd_chunk_overlap.py --tree /tmp/wt-before --tag before --result-dir docs/bench
+    python benchmarks/pd_chunk_overlap.py                        # this checkout, 7-12 minutes on 2 cores
+    git worktree add /tmp/wt-before 0ba9265                      # the commit before chunk-wise export
+    python benchmarks/pd_chunk_overlap.py --tree /tmp/wt-before --tag before-r1 \
+        --result-dir docs/bench/pd_chunk_overlap                 # measured: pdserve/prefill_worker/README.md
 
 Three workers of the default model, one thread each, every one with a 512-token step budget
 (--max-num-batched-tokens 512), so a 2048-token prompt is prefilled in 4 steps and an 8190-token
@@ -9,17 +11,19 @@ one in 16: a decode worker behind its own router (colocated: it prefills its pro
 prefill worker plus a decode worker behind a second router (disaggregated: the KV crosses over
 gRPC). The colocated decode worker and the prefill worker share core 0, the disaggregated
 decode worker has core 1, as if prefill and decode had machines of their own. Requests go one
-at a time through the routers' HTTP API, alternating colocated and disaggregated, each with a
-fresh prompt (no prefix-cache hit anywhere); the medians of ``--reps`` pairs are reported.
+at a time through the routers' HTTP API, alternating colocated and disaggregated: each pair is
+one fresh prompt sent to both setups (they share no worker, so no prefix-cache hit anywhere);
+the medians of ``--reps`` pairs are reported (the added TTFT: the median of the pairs' own).
 
 Measured at the client: TTFT (request sent to first token) and the time to the second token,
 which a disaggregated request reaches only once its KV has landed on the decode worker. The
 added TTFT of disaggregation is (disaggregated - colocated) / colocated; target <= 10%.
 
 ``--tree`` runs the workers and routers of another checkout (a git worktree of an older commit)
-with this script, so two commits are compared by the same measurement; ``--tag`` names the run.
-Writes ``pd_chunk_overlap_<tag>.json`` to --result-dir, and ``pd_chunk_overlap.png`` with every
-tagged run found there.
+with this script, so two commits are compared by the same measurement; ``--tag`` names the run
+(``before-r2``: the second run of family ``before``). Writes ``pd_chunk_overlap_<tag>.json`` to
+--result-dir, then prints a table and draws ``pd_chunk_overlap.png`` over every run found there,
+each family's runs pooled (medians over all their pairs: the machine may be shared, repeat).
 """
 
 from __future__ import annotations
@@ -81,18 +85,22 @@ async def first_two_tokens(url: str, prompt: list[int]) -> tuple[float, float]:
 def measure(colocated: str, disaggregated: str, tokens: int, reps: int, seed: int) -> dict:
     rows = []
     for i in range(reps):
-        c = asyncio.run(first_two_tokens(colocated, fresh_prompt(tokens, seed + 2 * i)))
-        d = asyncio.run(first_two_tokens(disaggregated, fresh_prompt(tokens, seed + 2 * i + 1)))
+        prompt = fresh_prompt(tokens, seed + i)  # the same prompt on both setups: their workers share no cache
+        c = asyncio.run(first_two_tokens(colocated, prompt))
+        d = asyncio.run(first_two_tokens(disaggregated, prompt))
         rows.append({"colocated": c, "disaggregated": d})
         print(f"  {tokens} tokens, pair {i + 1}/{reps}: colocated TTFT {c[0]:.2f} s (2nd token {c[1]:.2f} s), "
               f"disaggregated {d[0]:.2f} s ({d[1]:.2f} s)", flush=True)
     med = {key: statistics.median(r[mode][k] for r in rows)
            for key, mode, k in (("colocated_ttft_s", "colocated", 0), ("disagg_ttft_s", "disaggregated", 0),
                                 ("colocated_second_s", "colocated", 1), ("disagg_second_s", "disaggregated", 1))}
-    added = [100 * (r["disaggregated"][0] - r["colocated"][0]) / r["colocated"][0] for r in rows]
-    return {"tokens": tokens, **med, "added_ttft_pct": statistics.median(added),
-            "added_second_pct": 100 * (med["disagg_second_s"] - med["colocated_second_s"]) / med["colocated_second_s"],
+    return {"tokens": tokens, **med, "added_ttft_pct": added_pct(rows, 0), "added_second_pct": added_pct(rows, 1),
             "pairs": rows}
+
+
+def added_pct(pairs: list[dict], k: int) -> float:
+    """The median over pairs of what disaggregation adds to time ``k`` (0: TTFT, 1: 2nd token), in %."""
+    return statistics.median(100 * (p["disaggregated"][k] - p["colocated"][k]) / p["colocated"][k] for p in pairs)
 
 
 def run(tree: Path, sizes: list[int], reps: int, seed: int) -> list[dict]:
@@ -124,27 +132,56 @@ def run(tree: Path, sizes: list[int], reps: int, seed: int) -> list[dict]:
         stop_workers(workers, grace_s=10)
 
 
+def families(out: Path) -> dict[str, dict[int, list[list[dict]]]]:
+    """Every run in ``out`` by tag family (``before-r2`` is of ``before``): prompt length -> each
+    run's pairs."""
+    found: dict[str, dict[int, list[list[dict]]]] = {}
+    for path in sorted(out.glob("pd_chunk_overlap_*.json")):
+        run_ = json.loads(path.read_text())
+        family = run_["tag"].split("-r")[0]
+        for row in run_["rows"]:
+            found.setdefault(family, {}).setdefault(row["tokens"], []).append(row["pairs"])
+    return dict(sorted(found.items(), key=lambda kv: (kv[0] != "before", kv[0])))  # "before" first
+
+
+def summary(out: Path) -> list[str]:
+    """A table over every run found: medians over all pairs of a family's runs."""
+    lines = ["runs | prompt tokens | pairs | added TTFT (median of pairs) | each run's median | added to 2nd token",
+             "--- | --- | --- | --- | --- | ---"]
+    for family, by_tokens in families(out).items():
+        for tokens, runs in sorted(by_tokens.items()):
+            pairs = [p for r in runs for p in r]
+            each = ", ".join(f"{added_pct(r, 0):+.1f}%" for r in runs)
+            lines.append(f"{family} | {tokens} | {len(pairs)} | {added_pct(pairs, 0):+.1f}% | {each} | "
+                         f"{added_pct(pairs, 1):+.1f}%")
+    return lines
+
+
 def plot(out: Path) -> Path:
+    """Bars: each family's median over all its pairs; dots: each run's median."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {p.stem.removeprefix("pd_chunk_overlap_"): json.loads(p.read_text())
-            for p in sorted(out.glob("pd_chunk_overlap_*.json"))}
+    found = families(out)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
-    width = 0.8 / max(len(runs), 1)
-    for j, (tag, run_) in enumerate(runs.items()):
-        xs = range(len(run_["rows"]))
-        for ax, key in zip(axes, ("added_ttft_pct", "added_second_pct")):
-            ax.bar([x + j * width for x in xs], [r[key] for r in run_["rows"]], width, label=tag)
-            ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in xs], [str(r["tokens"]) for r in run_["rows"]])
+    width = 0.8 / max(len(found), 1)
+    for j, (family, by_tokens) in enumerate(found.items()):
+        lengths = sorted(by_tokens)
+        for ax, k in zip(axes, (0, 1)):
+            xs = [x + j * width for x in range(len(lengths))]
+            ax.bar(xs, [added_pct([p for r in by_tokens[t] for p in r], k) for t in lengths], width, label=family,
+                   color=f"C{j}", alpha=0.7)
+            for x, t in zip(xs, lengths):
+                ax.plot([x] * len(by_tokens[t]), [added_pct(r, k) for r in by_tokens[t]], "k.", ms=4)
+            ax.set_xticks([x + width * (len(found) - 1) / 2 for x in range(len(lengths))], [str(t) for t in lengths])
     axes[0].axhline(10, ls="--", c="k", lw=1)
     axes[0].set_title("added TTFT of disaggregation", fontsize=10)
     axes[1].set_title("added time to the 2nd token (KV landed)", fontsize=10)
     for ax in axes:
         ax.set_xlabel("prompt tokens (512-token step budget)")
-        ax.set_ylabel("% over colocated")
+        ax.set_ylabel("% over colocated (median of pairs)")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
@@ -182,6 +219,8 @@ def main() -> None:
     path = out / f"pd_chunk_overlap_{args.tag}.json"
     path.write_text(json.dumps({"tag": args.tag, "tree": str(tree), "commit": commit, "cpu_flags": flags,
                                 "budget": BUDGET, "reps": args.reps, "rows": rows}, indent=1))
+    print("\nevery run in " + str(out) + " (bars of the plot; dots: each run's median):")
+    print("\n".join(summary(out)))
     print(f"\nwrote {path} and {plot(out)}")
 
 
