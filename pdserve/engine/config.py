@@ -208,6 +208,11 @@ class EngineConfig:
     enable_prefix_caching: bool = doc(True, "reuse the KV of full blocks shared with earlier prompts")
     seed: int = doc(0, "seed for random weights and for sampling of requests without their own seed")
     num_threads: int | None = doc(None, "torch intra-op threads (default: torch's choice, one per core)")
+    cpu_isa: Literal["auto", "baseline", "avx2", "avx512", "avx512_bf16", "amx"] = doc(
+        "auto", "instruction set the CPU engine computes with: auto (the processor's best, logged at start with "
+        "the matmul path it implies), or a lower one to cap oneDNN, MKL, torch's kernels and the C kernels at "
+        "(avx2 on an AVX-512 machine gives the AVX2 figures); one the processor lacks is refused"
+    )
     attention_backend: str = doc(
         "auto", "attention implementation: torch (torch ops only), cpu (torch plus a C decode kernel built "
         "on first use), triton (Triton kernels, CUDA GPUs), auto (cpu on CPUs, triton on CUDA)"

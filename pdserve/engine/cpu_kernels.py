@@ -27,16 +27,17 @@ MAX_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 128, 256, 64
 
 
 def _cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    """Compiler flags for the ISA the engine computes with (cpu_isa.py; the processor's best
+    unless capped through ``PDSERVE_CPU_ISA``)."""
+    from pdserve.engine.cpu_isa import ENV_ISA, ORDER, best_isa, cpu_flags
+
+    isa = os.environ.get(ENV_ISA) or best_isa(cpu_flags())
+    level = ORDER.index(isa) if isa in ORDER else 0
     chosen = []
-    if "avx2" in flags and "fma" in flags:
+    if level >= ORDER.index("avx2"):
         chosen += ["-mavx2", "-mfma"]
-    if "avx512f" in flags:
-        chosen += ["-mavx512f"]
+    if level >= ORDER.index("avx512"):
+        chosen += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mprefer-vector-width=512"]
     return chosen
 
 

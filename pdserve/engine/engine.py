@@ -11,11 +11,13 @@ Callers (the offline ``LLM``, the workers) own the loop: add requests, call ``st
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_isa import select_isa
 from pdserve.engine.cpu_kernels import keep_freed_memory
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.loader import LoadedModel, load_model
@@ -26,6 +28,7 @@ from pdserve.engine.scheduler import CoreOutput, Scheduler
 from pdserve.engine.spec_decode import SpeculativeConfig, make_proposer
 from pdserve.engine.tokenizer import IncrementalDetokenizer
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -80,6 +83,10 @@ class _TextState:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         self.config = config = config or EngineConfig()
+        self.cpu_plan = select_isa(config.cpu_isa) if config.device == "cpu" else None
+        if self.cpu_plan is not None:
+            self.cpu_plan.apply_env()  # binds if this is the process's first torch work (the CLI's workers)
+            log.info("%s", self.cpu_plan.describe())
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         keep_freed_memory()
@@ -87,7 +94,7 @@ class LLMEngine:
         self.loaded = loaded or load_model(
             config.model, dtype=dtype, device=config.device, max_positions=config.max_model_len, seed=config.seed,
             progress=config.load_progress, quantization=config.quantization,
-            quantization_group_size=config.quantization_group_size,
+            quantization_group_size=config.quantization_group_size, linear_path=self._linear_path(dtype),
         )
         self.model_config = cfg = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -113,6 +120,16 @@ class LLMEngine:
                          if self.spec_config else None)
         self._text: dict[str, _TextState] = {}
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0}
+
+    def _linear_path(self, dtype: torch.dtype) -> str:
+        plan = self.cpu_plan
+        if plan is None:
+            return "mkl"
+        if dtype != torch.float32 and not plan.bf16_dot:
+            log.warning("%s on %s: no hardware dot products for it here, every matmul is emulated (slow); "
+                        "float32 is faster on this processor", self.config.dtype, plan.isa)
+            return "mkl"
+        return plan.linear_path
 
     # ---- requests ------------------------------------------------------------------------
 

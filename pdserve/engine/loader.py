@@ -38,8 +38,15 @@ def load_model(
     progress: bool = True,
     quantization: str = "none",
     quantization_group_size: int = 32,
+    linear_path: str | None = None,
 ) -> LoadedModel:
+    """``linear_path``: how float projections of many rows run on a CPU (see model.Linear and
+    cpu_isa.CpuPlan.linear_path; None: what this processor's best ISA implies)."""
     start = time.perf_counter()
+    if linear_path is None:
+        from pdserve.engine.cpu_isa import select_isa
+
+        linear_path = select_isa("auto").linear_path
     source = resolve_model(spec)
     check_quantization(quantization, source.kind, device)
     if source.kind == "gguf":
@@ -52,6 +59,8 @@ def load_model(
     model = build_model(cfg, weights, dtype, device, max_positions, seed)
     del weights  # the float copies go before the quantized ones are built
     quantize_model(model, quantization, quantization_group_size, source.path, tokenizer)
+    if linear_path != "mkl" and next(model.parameters()).device.type == "cpu":
+        model.prepare_for_cpu(torch.get_num_threads(), linear_path)  # after quantization: only float layers
     fingerprint = _fingerprint(source, cfg, seed, f"{quantization}/{quantization_group_size}")
     return LoadedModel(model, tokenizer, cfg, source, time.perf_counter() - start, fingerprint)
 

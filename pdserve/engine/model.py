@@ -24,35 +24,55 @@ from pdserve.engine.cpu_kernels import usable
 class Linear(nn.Module):
     """``y = x W^T`` (no bias), W of shape ``[out, in]`` as in Hugging Face checkpoints.
 
-    On CPU (after ``prepare_for_cpu``): one row (single-request decode) goes through a C gemv
-    that streams W's rows, split across threads, and up to ``FEW_ROWS`` rows through a C kernel
-    that reads each row of W once for all of them (25-45% faster than ``bmm`` at 2-7 rows, half
-    the time on the output projection); up to ``SPLIT_MAX_ROWS`` rows, W's rows are
-    split into one contiguous half per thread and ``bmm`` runs one single-threaded GEMM each,
-    which measured 10-40% faster than one multi-threaded ``mm`` on the 2-core development
-    machines; larger batches use one ``mm``. See benchmarks/engine_throughput.py.
+    On CPU (after ``prepare_for_cpu``, with the path ``cpu_isa`` chose for this processor): one
+    row (single-request decode) goes through a C gemv that streams W's rows, split across
+    threads, and up to ``FEW_ROWS`` rows through a C kernel that reads each row of W once for
+    all of them (25-45% faster than ``bmm`` at 2-7 rows). More rows: with the ``onednn`` path,
+    oneDNN with W packed once into its blocked layout (``_linear_pointwise``); with ``mkl``, up to
+    ``SPLIT_MAX_ROWS`` rows W's rows are split into one contiguous half per thread and ``bmm``
+    runs one single-threaded GEMM each (10-40% faster than one multi-threaded ``mm`` on 2 AVX2
+    cores), larger batches one ``mm``. See benchmarks/cpu_matmul.py.
     """
 
     SPLIT_MAX_ROWS = 512
-    FEW_ROWS = 8  # up to this many rows, a C kernel that reads W once (speculative verification, small batches)
+    # Up to this many rows, a C kernel that reads W once (decode, speculative verification, small
+    # batches): against MKL up to 8, against packed oneDNN up to 4 (from 4-8 rows oneDNN is as fast
+    # or faster: benchmarks/cpu_matmul.py).
+    FEW_ROWS = {"mkl": 8, "onednn": 4}
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.parts = 1
         self.kernels = None
+        self.few_rows = self.FEW_ROWS["mkl"]
+        self.path = "mkl"
+        self._packed: tuple[torch.Tensor, tuple[int, int]] | None = None  # W in oneDNN's layout, and of which W
 
-    def prepare_for_cpu(self, parts: int, kernels) -> None:
+    def prepare_for_cpu(self, parts: int, kernels, path: str = "mkl") -> None:
         self.weight = nn.Parameter(self.weight.detach().contiguous(), requires_grad=False)
         self.parts = parts if parts > 1 and self.weight.shape[0] % parts == 0 else 1
         self.kernels = kernels if self.weight.dtype == torch.float32 else None
+        self.path, self.few_rows, self._packed = path, self.FEW_ROWS[path], None
+        if path == "onednn":
+            self.packed_weight()
+
+    def packed_weight(self) -> torch.Tensor:
+        """W in oneDNN's blocked layout, packed again if W was replaced or changed in place since
+        (AWQ scales weights after load; tests swap them)."""
+        key = (id(self.weight), self.weight._version)
+        if self._packed is None or self._packed[1] != key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None), key
+        return self._packed[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= self.FEW_ROWS and self.kernels is not None and x.is_contiguous():
+        if rows <= self.few_rows and self.kernels is not None and x.is_contiguous():
             if rows == 1:
                 return cpu_kernels.gemv(self.kernels, self.weight, x)
             return cpu_kernels.gemm_rows(self.kernels, self.weight, x)
+        if self.path == "onednn" and not x.is_cuda:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), None, "none", [], "")
         if self.parts == 1 or rows > self.SPLIT_MAX_ROWS:
             return F.linear(x, self.weight)
         n, k = self.weight.shape
@@ -207,13 +227,14 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def prepare_for_cpu(self, threads: int) -> None:
-        """Lay the projections out for CPU matmuls (see ``Linear``) and use the C kernels for
-        norms and SwiGLU where they can be built; call once after loading."""
+    def prepare_for_cpu(self, threads: int, linear_path: str = "mkl") -> None:
+        """Lay the projections out for CPU matmuls (see ``Linear``; ``linear_path`` from
+        ``cpu_isa``) and use the C kernels for norms and SwiGLU where they can be built; call
+        once after loading."""
         kernels = cpu_kernels.load_kernels() if self.embed_tokens.weight.dtype == torch.float32 else None
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepare_for_cpu(threads, kernels)
+                module.prepare_for_cpu(threads, kernels, linear_path)
             elif isinstance(module, (RMSNorm, MLP)):
                 module.kernels = kernels
         if self.config.tie_word_embeddings:

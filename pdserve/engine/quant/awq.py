@@ -110,16 +110,16 @@ def apply_awq(model, calibration_ids: torch.Tensor, group_of) -> dict[str, torch
         attn, mlp = layer.self_attn, layer.mlp
         s = search_scale(attn.qkv_proj.weight, inputs[p + "self_attn.qkv_proj"],
                          group_of(attn.qkv_proj.weight.shape[1]))
-        layer.input_layernorm.weight.data.div_(s)
-        attn.qkv_proj.weight.data.mul_(s)
+        layer.input_layernorm.weight.div_(s)
+        attn.qkv_proj.weight.mul_(s)
         s = search_scale(attn.o_proj.weight, inputs[p + "self_attn.o_proj"], group_of(attn.o_proj.weight.shape[1]))
-        attn.o_proj.weight.data.mul_(s)
+        attn.o_proj.weight.mul_(s)
         runtime[p + "self_attn.o_proj"] = 1.0 / s
         s = search_scale(mlp.gate_up_proj.weight, inputs[p + "mlp.gate_up_proj"],
                          group_of(mlp.gate_up_proj.weight.shape[1]))
-        layer.post_attention_layernorm.weight.data.div_(s)
-        mlp.gate_up_proj.weight.data.mul_(s)
+        layer.post_attention_layernorm.weight.div_(s)
+        mlp.gate_up_proj.weight.mul_(s)
         s = search_scale(mlp.down_proj.weight, inputs[p + "mlp.down_proj"], group_of(mlp.down_proj.weight.shape[1]))
-        mlp.gate_up_proj.weight.data[mlp.intermediate :].div_(s[:, None])
-        mlp.down_proj.weight.data.mul_(s)
+        mlp.gate_up_proj.weight[mlp.intermediate :].div_(s[:, None])
+        mlp.down_proj.weight.mul_(s)
     return runtime

@@ -1,0 +1,120 @@
+"""Which instruction set the engine computes with on this CPU, chosen once at start-up.
+
+    plan = select_isa(config.cpu_isa)     # "auto" reads the processor; or a cap ("avx2", ...)
+    plan.apply_env()                      # oneDNN, MKL, ATen and the C kernels keep to plan.isa
+    log.info(plan.describe())             # the choice and why, once
+
+The processor's own flags decide (``/proc/cpuinfo``): ``amx`` (AMX tiles with bf16), ``avx512_bf16``
+(AVX-512 with bfloat16 dot products), ``avx512`` (AVX-512F/BW/VL), ``avx2`` (AVX2 + FMA), or
+``baseline``. A requested ISA above what the processor has is refused, naming both; one below it
+caps every library the engine computes through, so the AVX2 figures of an AVX-512 machine can be
+measured. The caps are environment variables those libraries read when they first start
+(``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``, ``ATEN_CPU_CAPABILITY``), so they bind only if
+set before the process's first torch operation: the CLI applies them before it loads anything.
+
+The projections follow from the ISA (``linear_path``): from AVX2 up, oneDNN with each weight
+packed once at load into its blocked layout; below, MKL's SGEMM. Measured on the default
+model's shapes with 2 threads of an AVX-512 (bf16) EPYC, natively and capped at AVX2
+(benchmarks/cpu_matmul.py, docs/bench/cpu_matmul.md): float32 at 32-2048 rows, packed oneDNN
+181-210 GFLOP/s against MKL's 130-190 (lm_head 162-191 against 63-135), and at 4-8 rows 1.3-3.6x;
+capped at AVX2 the same order. One to four rows (decode) go through the engine's C kernels (they
+stream each weight once: 42-68 GFLOP/s at one row against oneDNN's 14-50). bfloat16 with
+hardware dot products (avx512_bf16, AMX) doubles it: packed oneDNN 330-425 GFLOP/s from 32 rows;
+without them bfloat16 is emulated at 25-45 GFLOP/s, so float32 stays the default everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.configs import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Weakest to strongest; each needs the flags listed (as /proc/cpuinfo names them).
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "baseline": (),
+    "avx2": ("avx2", "fma"),
+    "avx512": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl"),
+    "avx512_bf16": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    "amx": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"),
+}
+ORDER = list(ISA_FLAGS)
+CPU_ISA_CHOICES = ("auto", *ORDER)
+# What each library is told, per ISA (None: no cap, the library's own choice).
+_ONEDNN = {"baseline": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16",
+           "amx": None}
+_MKL = {"baseline": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512", "avx512_bf16": "AVX512", "amx": None}
+_ATEN = {"baseline": "default", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512", "amx": None}
+ENV_ISA = "PDSERVE_CPU_ISA"  # read by cpu_kernels: the C kernels are compiled for this ISA
+
+
+def cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "flags:")
+    return frozenset(line.split(":", 1)[1].split())
+
+
+def best_isa(flags: frozenset[str]) -> str:
+    return [isa for isa in ORDER if all(f in flags for f in ISA_FLAGS[isa])][-1]
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """The ISA the engine computes with, and why."""
+
+    isa: str
+    native: str  # the best the processor has
+    requested: str
+
+    @property
+    def linear_path(self) -> str:
+        """How projections of more than a few rows run: ``onednn`` (packed weights) or ``mkl``."""
+        import torch
+
+        usable = torch.backends.mkldnn.is_available() and ORDER.index(self.isa) >= ORDER.index("avx2")
+        return "onednn" if usable else "mkl"
+
+    @property
+    def bf16_dot(self) -> bool:
+        """Whether bfloat16 matmuls have hardware dot products (otherwise bfloat16 is slow here)."""
+        return ORDER.index(self.isa) >= ORDER.index("avx512_bf16")
+
+    def describe(self) -> str:
+        why = (f"the processor's best (flags: {', '.join(ISA_FLAGS[self.native]) or 'none of avx2/avx512'})"
+               if self.requested == "auto" else f"--cpu-isa {self.requested} (the processor has {self.native})")
+        paths = {"onednn": "float32 projections through oneDNN with packed weights",
+                 "mkl": "float32 projections through MKL's SGEMM"}
+        bf16 = "bfloat16 has dot products" if self.bf16_dot else "bfloat16 would be emulated (slow): keep float32"
+        return f"CPU ISA {self.isa}: {why}; {paths[self.linear_path]}, 1-8 rows through the C kernels; {bf16}"
+
+    def apply_env(self) -> None:
+        """Cap the libraries at this ISA (a no-op for the processor's own best: they choose it)."""
+        os.environ[ENV_ISA] = self.isa
+        if self.isa == self.native:
+            return
+        for var, table in (("ONEDNN_MAX_CPU_ISA", _ONEDNN), ("MKL_ENABLE_INSTRUCTIONS", _MKL),
+                           ("ATEN_CPU_CAPABILITY", _ATEN)):
+            if table[self.isa] is not None:
+                os.environ[var] = table[self.isa]
+
+
+def select_isa(requested: str = "auto", flags: frozenset[str] | None = None) -> CpuPlan:
+    """The plan for ``requested`` (``auto`` or an ISA name) on a processor with ``flags``."""
+    flags = cpu_flags() if flags is None else flags
+    native = best_isa(flags)
+    if requested not in CPU_ISA_CHOICES:
+        raise ConfigError(f"cpu_isa: {requested!r} is not one of {list(CPU_ISA_CHOICES)}")
+    if requested == "auto":
+        return CpuPlan(native, native, requested)
+    if ORDER.index(requested) > ORDER.index(native):
+        missing = [f for f in ISA_FLAGS[requested] if f not in flags]
+        raise ConfigError(f"cpu_isa: {requested} needs {', '.join(missing)}, which this processor lacks "
+                          f"(its best: {native})")
+    return CpuPlan(requested, native, requested)

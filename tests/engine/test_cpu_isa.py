@@ -1,0 +1,64 @@
+"""The instruction set the engine computes with: chosen from the processor's flags, capped on
+request (refused above the processor's), applied to oneDNN, MKL, ATen and the C kernels."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.configs import ConfigError
+from pdserve.engine.cpu_isa import ISA_FLAGS, best_isa, cpu_flags, select_isa
+
+ZEN3 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+ZEN5 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
+
+
+def test_the_best_isa_of_a_processor():
+    assert best_isa(frozenset()) == "baseline"
+    assert best_isa(ZEN3) == "avx2"
+    assert best_isa(ZEN5) == "avx512_bf16"
+    assert best_isa(ZEN5 | {"amx_tile", "amx_bf16"}) == "amx"
+    assert best_isa(ZEN5 - {"avx512_bf16"}) == "avx512"
+
+
+def test_auto_takes_the_processors_best_and_a_cap_below_it_is_kept():
+    plan = select_isa("auto", ZEN5)
+    assert (plan.isa, plan.bf16_dot) == ("avx512_bf16", True)
+    assert "the processor's best" in plan.describe()
+    capped = select_isa("avx2", ZEN5)
+    assert (capped.isa, capped.native, capped.bf16_dot) == ("avx2", "avx512_bf16", False)
+    assert "--cpu-isa avx2" in capped.describe() and "emulated" in capped.describe()
+
+
+def test_an_isa_the_processor_lacks_is_refused_naming_what_is_missing():
+    with pytest.raises(ConfigError, match="cpu_isa: avx512 needs avx512f, avx512bw, avx512vl.*its best: avx2"):
+        select_isa("avx512", ZEN3)
+    with pytest.raises(ConfigError, match="cpu_isa: 'sse9' is not one of"):
+        select_isa("sse9", ZEN3)
+
+
+_PROBE = """
+import json, os, sys
+from pdserve.engine import EngineConfig, LLMEngine
+engine = LLMEngine(EngineConfig(model="random:tiny", cpu_isa=sys.argv[1], num_kv_blocks=16, load_progress=False))
+import torch
+from pdserve.engine import cpu_kernels
+print(json.dumps({"aten": torch.backends.cpu.get_cpu_capability(), "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+                  "isa": engine.cpu_plan.isa, "kernel_flags": cpu_kernels._cpu_flags(),
+                  "path": engine.loaded.model.layers[0].mlp.gate_up_proj.path}))
+"""
+
+
+@pytest.mark.slow
+def test_a_cap_reaches_every_library_in_a_fresh_process():
+    native = best_isa(cpu_flags())
+    if native not in ISA_FLAGS or native in ("baseline", "avx2"):
+        pytest.skip(f"this processor's best is {native}: nothing above avx2 to cap")
+    out = subprocess.run([sys.executable, "-c", _PROBE, "avx2"], capture_output=True, text=True, check=True)
+    probe = json.loads(out.stdout.strip().splitlines()[-1])
+    assert probe["isa"] == "avx2" and probe["aten"] == "AVX2" and probe["onednn"] == "AVX2"
+    assert not any("avx512" in f for f in probe["kernel_flags"])
+    assert probe["path"] == "onednn"
