@@ -92,7 +92,8 @@ class CpuPlan:
         paths = {"onednn": "float32 projections through oneDNN with packed weights",
                  "mkl": "float32 projections through MKL's SGEMM"}
         bf16 = "bfloat16 has dot products" if self.bf16_dot else "bfloat16 would be emulated (slow): keep float32"
-        return f"CPU ISA {self.isa}: {why}; {paths[self.linear_path]}, 1-8 rows through the C kernels; {bf16}"
+        few = 4 if self.linear_path == "onednn" else 8  # model.Linear.FEW_ROWS
+        return f"CPU ISA {self.isa}: {why}; {paths[self.linear_path]}, 1-{few} rows through the C kernels; {bf16}"
 
     def apply_env(self) -> None:
         """Cap the libraries at this ISA (a no-op for the processor's own best: they choose it)."""

