@@ -40,7 +40,7 @@ PROMPTS = [
     "What does a CPU do?",
     "Describe a cat in five words.",
 ]
-QUANTIZATION = {"float": "none", "int8": "int8", "int4": "int4", "awq": "awq", "gguf": "gguf"}
+QUANTIZATION = {"float": "none", "int8": "int8", "int4": "int4", "awq": "awq", "gguf": "gguf", "bf16": "bf16"}
 
 
 # ---- one format, in a child process -------------------------------------------------------

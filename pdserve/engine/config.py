@@ -183,10 +183,12 @@ class EngineConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = doc(
         "float32", "weights, activations and KV-cache dtype (float32 is fastest on CPUs without bf16 units)"
     )
-    quantization: Literal["none", "int8", "int4", "awq", "fp8", "gguf"] = doc(
+    quantization: Literal["none", "int8", "int4", "awq", "fp8", "gguf", "bf16"] = doc(
         "none", "weight-only quantization of the decoder layers' projections, built at load: int8 (per channel), "
         "int4 (per group), awq (int4 with activation-aware scales calibrated at load), fp8 (CUDA GPUs with FP8 "
-        "only), gguf (keep a .gguf file's own quantized blocks, dequantised per matmul)"
+        "only), gguf (keep a .gguf file's own quantized blocks, dequantised per matmul), bf16 (bfloat16 weights, "
+        "the output head's too, with float32 activations, norms and KV cache: the matmuls in bfloat16, fast on "
+        "processors with bf16 dot products, and decode reads half the bytes)"
     )
     quantization_group_size: int = doc(32, "inputs per int4/awq scale and zero: 32, 64 or 128 (32 matches "
                                        "the default model's Q4_1 blocks; a layer whose input size it does not "

@@ -81,6 +81,17 @@ class CpuPlan:
         usable = torch.backends.mkldnn.is_available() and ORDER.index(self.isa) >= ORDER.index("avx2")
         return "onednn" if usable else "mkl"
 
+    def linear_path_for(self, dtype) -> str:
+        """``linear_path`` for weights of ``dtype``: half-precision packs need oneDNN's support for
+        it here (bf16: AVX-512 core; fp16: AVX-512 FP16 or AVX-NE-CONVERT), else MKL/torch."""
+        import torch
+
+        if dtype == torch.bfloat16 and not (self.bf16_dot and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return "mkl"
+        if dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+            return "mkl"
+        return self.linear_path
+
     @property
     def bf16_dot(self) -> bool:
         """Whether bfloat16 matmuls have hardware dot products (otherwise bfloat16 is slow here)."""

@@ -77,6 +77,8 @@ def load_kernels() -> ctypes.CDLL | None:
         "write_kv_f32": [ptr] * 6 + [i64] * 6,
         "gemv_f32": [ptr] * 3 + [i64] * 2,
         "gemm_rows_f32": [ptr] * 3 + [i64] * 3,
+        "gemv_bf16_f32": [ptr] * 3 + [i64] * 2,
+        "gemm_rows_bf16_f32": [ptr] * 3 + [i64] * 3,
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -145,6 +147,23 @@ def gemm_rows(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.
     m = x.shape[0]
     out = torch.empty(m, n, dtype=x.dtype)
     lib.gemm_rows_f32(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, m)
+    return out
+
+
+def gemv_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for one float32 row and a bfloat16 ``weight`` ``[n, k]`` (float32 out)."""
+    n, k = weight.shape
+    out = torch.empty(1, n, dtype=torch.float32)
+    lib.gemv_bf16_f32(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k)
+    return out
+
+
+def gemm_rows_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for a few float32 rows and a bfloat16 ``weight``, reading it once."""
+    n, k = weight.shape
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    lib.gemm_rows_bf16_f32(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, m)
     return out
 
 

@@ -125,11 +125,10 @@ class LLMEngine:
         plan = self.cpu_plan
         if plan is None:
             return "mkl"
-        if dtype != torch.float32 and not plan.bf16_dot:
-            log.warning("%s on %s: no hardware dot products for it here, every matmul is emulated (slow); "
-                        "float32 is faster on this processor", self.config.dtype, plan.isa)
-            return "mkl"
-        return plan.linear_path
+        if dtype != torch.float32 and plan.linear_path_for(dtype) == "mkl":
+            log.warning("%s on %s: no fast matmuls for it here (emulated, slow); float32 is faster on this "
+                        "processor", self.config.dtype, plan.isa)
+        return plan.linear_path_for(dtype)
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ def load_model(
     if linear_path is None:
         from pdserve.engine.cpu_isa import select_isa
 
-        linear_path = select_isa("auto").linear_path
+        linear_path = select_isa("auto").linear_path_for(dtype)
     source = resolve_model(spec)
     check_quantization(quantization, source.kind, device)
     if source.kind == "gguf":

@@ -237,11 +237,13 @@ class LlamaForCausalLM(nn.Module):
                 module.prepare_for_cpu(threads, kernels, linear_path)
             elif isinstance(module, (RMSNorm, MLP)):
                 module.kernels = kernels
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, Linear):  # (a bf16 head has its own copy)
             self.embed_tokens.weight = self.lm_head.weight
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed_tokens.weight)
+        x = F.embedding(input_ids, self.embed_tokens.weight)
+        dtype = self.norm.weight.dtype  # a bf16 table under float32 activations (quantization bf16): widened
+        return x if x.dtype == dtype else x.to(dtype)
 
     def forward(
         self,

@@ -50,6 +50,21 @@ def test_int8_linear_close_to_float(weight_and_input):
     assert layer(x).dtype == torch.float32 and layer(x[:1]).shape == (1, 256)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 64])
+def test_bf16_linear_close_to_float_through_each_path(weight_and_input, rows):
+    """1-4 rows through the C kernels (float32 arithmetic on bf16 weights), more through oneDNN."""
+    from pdserve.engine.quant.formats import BF16Linear
+
+    w, x = weight_and_input
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+    layer = BF16Linear(w)
+    assert layer.qweight.dtype == torch.bfloat16 and layer.weight_bytes() == w.numel() * 2
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, w.shape[0])
+    assert rel_err(got, F.linear(x, layer.dequantize())) < (1e-5 if rows <= 4 else 0.02)
+    assert rel_err(got, F.linear(x, w)) < 0.02
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_linear_close_to_float(weight_and_input, group):
     w, x = weight_and_input
@@ -141,11 +156,11 @@ def float_tiny():
     return load_model("random:tiny", progress=False, seed=3)
 
 
-@pytest.mark.parametrize("method,bound", [("int8", 0.015), ("int4", 0.16), ("awq", 0.16)])
+@pytest.mark.parametrize("method,bound", [("int8", 0.015), ("int4", 0.16), ("awq", 0.16), ("bf16", 0.015)])
 def test_tiny_model_quantized_logits_close_to_float(float_tiny, method, bound):
     quant = load_model("random:tiny", progress=False, seed=3, quantization=method)
     layers = [m for m in quant.model.modules() if isinstance(m, QuantLinear)]
-    assert len(layers) == 4 * quant.config.num_layers
+    assert len(layers) == 4 * quant.config.num_layers + (method == "bf16")  # bf16: the output head too
     assert weight_bytes(quant.model) < weight_bytes(float_tiny.model)
     assert quant.fingerprint != float_tiny.fingerprint  # quantized KV must not be mixed with float KV
     ids = torch.tensor(float_tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4))

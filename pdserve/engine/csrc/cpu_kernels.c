@@ -244,3 +244,74 @@ void gemm_rows_f32(const float *restrict w, const float *restrict x, float *rest
         }
     }
 }
+
+/* The same two products with bfloat16 weights (the upper half of a float32) and float32
+ * activations: half the bytes of W to stream, the arithmetic still in float32. */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+void gemv_bf16_f32(const uint16_t *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t k) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i += 4) {
+        if (n - i >= 4) {
+            const uint16_t *w0 = w + i * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (int64_t j = 0; j < k; j++) {
+                const float xj = x[j];
+                a0 += bf16_to_f32(w0[j]) * xj;
+                a1 += bf16_to_f32(w1[j]) * xj;
+                a2 += bf16_to_f32(w2[j]) * xj;
+                a3 += bf16_to_f32(w3[j]) * xj;
+            }
+            y[i] = a0;
+            y[i + 1] = a1;
+            y[i + 2] = a2;
+            y[i + 3] = a3;
+        } else {
+            for (int64_t r = i; r < n; r++) {
+                const uint16_t *wr = w + r * k;
+                float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+                for (int64_t j = 0; j < k; j++) a += bf16_to_f32(wr[j]) * x[j];
+                y[r] = a;
+            }
+        }
+    }
+}
+
+void gemm_rows_bf16_f32(const uint16_t *restrict w, const float *restrict x, float *restrict y, int64_t n,
+                        int64_t k, int64_t m) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *wi = w + i * k;
+        int64_t r = 0;
+        for (; r + 4 <= m; r += 4) {
+            const float *x0 = x + r * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (int64_t j = 0; j < k; j++) {
+                const float wj = bf16_to_f32(wi[j]);
+                a0 += wj * x0[j];
+                a1 += wj * x1[j];
+                a2 += wj * x2[j];
+                a3 += wj * x3[j];
+            }
+            y[r * n + i] = a0;
+            y[(r + 1) * n + i] = a1;
+            y[(r + 2) * n + i] = a2;
+            y[(r + 3) * n + i] = a3;
+        }
+        for (; r < m; r++) {
+            const float *xr = x + r * k;
+            float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+            for (int64_t j = 0; j < k; j++) a += bf16_to_f32(wi[j]) * xr[j];
+            y[r * n + i] = a;
+        }
+    }
+}

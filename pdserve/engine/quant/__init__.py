@@ -11,6 +11,7 @@ output head stay float (tied in the default model: quantising the head would kee
 | ``awq`` | int4 after AWQ's activation-aware input scaling, calibrated at load | ``awq`` + ``Int4Linear`` |
 | ``fp8`` | float8 e4m3 weights and activations (CUDA GPUs with FP8 only) | ``formats.Fp8Linear`` |
 | ``gguf`` | a GGUF file's own quantized blocks, dequantised per matmul | ``gguf_native.GGUFLinear`` |
+| ``bf16`` | bfloat16 weights (output head and embedding too), float32 activations | ``formats.BF16Linear`` |
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from pdserve.configs import ConfigError
 from pdserve.engine.quant.formats import (
+    BF16Linear,
     Fp8Linear,
     Int4Linear,
     Int8Linear,
@@ -32,7 +34,7 @@ from pdserve.engine.quant.formats import (
 
 log = logging.getLogger(__name__)
 
-METHODS = ("none", "int8", "int4", "awq", "fp8", "gguf")
+METHODS = ("none", "int8", "int4", "awq", "fp8", "gguf", "bf16")
 LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 __all__ = ["METHODS", "QuantLinear", "check_quantization", "quantize_model", "weight_bytes"]
@@ -62,6 +64,16 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
     AWQ calibrates on ``calibration_ids``, or on ``awq.CALIBRATION_TEXT`` through ``tokenizer``.
     """
     if method == "none":
+        return
+    if method == "bf16":
+        for i in range(len(model.layers)):
+            for suffix in LAYER_LINEARS:
+                name = f"layers.{i}.{suffix}"
+                _swap(model, name, BF16Linear(model.get_submodule(name).weight))
+        head = BF16Linear(model.lm_head.weight)  # decode streams it every token
+        _swap(model, "lm_head", head)
+        if model.config.tie_word_embeddings:  # one bf16 table for both, as the float model shares one
+            model.embed_tokens.weight = torch.nn.Parameter(head.qweight, requires_grad=False)
         return
     if method == "gguf":
         from pdserve.engine.quant.gguf_native import gguf_linears

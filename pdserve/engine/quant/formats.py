@@ -8,6 +8,7 @@ shape and dtype as ``model.Linear``:
 | ``Int8Linear`` | int8, one symmetric scale per output row | ``aten._weight_int8pack_mm`` |
 | ``Int4Linear`` | 4-bit, asymmetric per group of ``group_size`` inputs | ``aten._weight_int4pack_mm_for_cpu`` |
 | ``Fp8Linear`` | float8 e4m3, per-tensor or per-row scale | ``torch._scaled_mm`` (CUDA, FP8 GPUs only) |
+| ``BF16Linear`` | bfloat16 (float32 activations) | C kernels (1-4 rows), oneDNN bfloat16 with a packed weight |
 
 On CPUs the int8/int4 kernels run with bfloat16 activations: fed float32 they are 7-40x slower
 (see shared DEPENDENCIES.md). Where a kernel is missing or refuses a shape, the layer
@@ -212,6 +213,49 @@ class Int4Linear(QuantLinear):
         if self.use_kernel:
             return self._kernel(x.contiguous()).to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype))
+
+
+# ---- bf16 ---------------------------------------------------------------------------------
+
+
+class BF16Linear(QuantLinear):
+    """bfloat16 weights in a float32 model: half the bytes of W, the matmuls in bfloat16.
+
+    One to ``FEW_ROWS`` rows (decode): the C kernels widen each weight to float32 as they stream
+    it, so decode reads half the bytes and keeps float32 arithmetic. More rows: the activations
+    are rounded to bfloat16 and oneDNN multiplies them by the packed weight (bf16 dot products on
+    processors that have them: twice float32's rate), the result widened back to float32. Norms,
+    attention, the KV cache and the residual stream stay float32.
+    """
+
+    FEW_ROWS = 4
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(*weight.shape)
+        self.register_buffer("qweight", weight.detach().to(torch.bfloat16).contiguous())
+        self.kernels = None
+        self.packed = None
+        if weight.device.type == "cpu":
+            from pdserve.engine.cpu_kernels import load_kernels
+
+            self.kernels = load_kernels()
+            if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.qweight, None)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows <= self.FEW_ROWS and self.kernels is not None and x.dtype == torch.float32 and x.is_contiguous():
+            from pdserve.engine import cpu_kernels
+
+            kernel = cpu_kernels.gemv_bf16 if rows == 1 else cpu_kernels.gemm_rows_bf16
+            return kernel(self.kernels, self.qweight, x)
+        xb = x.to(torch.bfloat16)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "").to(x.dtype)
+        return F.linear(xb, self.qweight).to(x.dtype)
 
 
 # ---- fp8 ----------------------------------------------------------------------------------
