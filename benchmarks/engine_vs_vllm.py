@@ -2,7 +2,7 @@
 
     python benchmarks/engine_vs_vllm.py                                   # pdserve alone
     python benchmarks/engine_vs_vllm.py --vllm-python .vllm-venv/bin/python   # and vLLM (setup_vllm_cpu.sh)
-    python benchmarks/engine_vs_vllm.py --vllm-python ... --isa native,avx2 --pdserve-dtype float32,bfloat16
+    python benchmarks/engine_vs_vllm.py --vllm-python ... --isa native,avx2 --pdserve float32,bf16
 
 Workloads (greedy, ignore_eos, fixed output lengths, fresh random prompt ids per repetition so no
 prefix is reused; prefix caching off in both engines), each repeated --reps times, medians kept:
@@ -60,7 +60,12 @@ def phases(reps: int, seed: int) -> list[dict]:
 # ---- pdserve's side (a child process, as vLLM's) ----------------------------------------------
 
 
-def pdserve_child(input_path: str, output_path: str, cpu_isa: str, dtype: str, threads: int) -> None:
+# pdserve's variants: (dtype, quantization)
+VARIANTS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "bf16": ("float32", "bf16")}
+
+
+def pdserve_child(input_path: str, output_path: str, cpu_isa: str, variant: str, threads: int) -> None:
+    dtype, quantization = VARIANTS[variant]
     started = time.time()
     t0 = time.perf_counter()
     from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
@@ -68,7 +73,7 @@ def pdserve_child(input_path: str, output_path: str, cpu_isa: str, dtype: str, t
     import_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(load_progress=False, cpu_isa=cpu_isa, dtype=dtype, num_threads=threads,
-                                    enable_prefix_caching=False, max_model_len=4096))
+                                    quantization=quantization, enable_prefix_caching=False, max_model_len=4096))
     load_s = time.perf_counter() - t0
     ready_s = time.time() - _process_start(started)
     results = []
@@ -325,8 +330,10 @@ def main() -> int:
     parser.add_argument("--vllm-model", default=str(ROOT / ".vllm-venv" / "smollm2-135m-instruct-hf"),
                         help="vLLM's checkpoint: the float32 export of the same GGUF (setup_vllm_cpu.sh makes it)")
     parser.add_argument("--isa", default="native", help="comma-separated: native, avx2 (default: native)")
-    parser.add_argument("--pdserve-dtype", default="float32", help="comma-separated dtypes for pdserve "
-                                                                    "(float32, bfloat16; default: float32)")
+    parser.add_argument("--pdserve", default="float32",
+                        help="comma-separated pdserve variants: float32, bfloat16 (--dtype bfloat16: weights, "
+                             "activations and KV cache), bf16 (--quantization bf16: bfloat16 weights in a float32 "
+                             "model) (default: float32)")
     parser.add_argument("--threads", type=int, default=2, help="threads per engine (default: 2)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each workload (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="prompt ids seed (default: 0)")
@@ -375,7 +382,7 @@ def main() -> int:
             cmd = [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "--isa", isa, "offline", "--model",
                    args.vllm_model, "--input", str(workload), "--output", str(vout), "--max-model-len", "4096"]
             vllm = raw[f"vllm/{isa}"] = run_engine(cmd, vout, args, f"vllm-cpu ({isa})")
-        for dtype in args.pdserve_dtype.split(","):
+        for dtype in args.pdserve.split(","):
             pout = out / f"engine_vs_vllm_pdserve_{isa}_{dtype}.json"
             cpu_isa = "auto" if isa == "native" else isa
             cmd = [sys.executable, __file__, "--pdserve-child", str(workload), str(pout), cpu_isa, dtype,

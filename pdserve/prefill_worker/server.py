@@ -68,18 +68,19 @@ class PrefillServicer(WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot send to this destination: {e}")
         try:
             params = convert.sampling_from_proto(request.sampling)
-            prompt = list(request.prompt_token_ids)
-            # The request's own parameters (its stop strings, min_tokens, max_tokens), handed on to
-            # the decode worker after the first token unless that token already ends it.
-            stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt or None,
-                                          handoff_after=1)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.encode_invalid(e))
+        prompt = list(request.prompt_token_ids)
+        # The request's own parameters (its stop strings, min_tokens, max_tokens), handed on to
+        # the decode worker after the first token unless that token already ends it. (An async
+        # generator: the engine validates the request on the first iteration, below.)
+        stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt or None,
+                                      handoff_after=1)
         session = sender.open(dest, self.layout, len(prompt))
         skip = dest.cached_tokens // self.layout.block_size
         self.exporter.add(request.request_id, Export(session, skip, len(prompt)))
         try:
-            async for out in stream:
+            async for out in _invalid_as_status(stream, context):
                 if out.finished:
                     self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
                     self.metrics.recent_ttft.observe(time.perf_counter() - received)  # the prompt's own part
@@ -92,3 +93,12 @@ class PrefillServicer(WorkerServicer):
             yield pb.PrefillResponse(transfer_done=True, transfer_ok=ok, transfer_error=error or "")
         finally:
             self.exporter.cancel(request.request_id, "the prefill request ended before its KV was sent")
+
+
+async def _invalid_as_status(stream, context):
+    """The engine's outputs; a request it refuses ends the call with INVALID_ARGUMENT naming the field."""
+    try:
+        async for out in stream:
+            yield out
+    except InvalidRequestError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.encode_invalid(e))

@@ -33,3 +33,29 @@ def test_a_prefill_worker_receives_no_kv(make_engine):
 def test_the_prefill_servicer_defines_no_receiving_rpc(rpc):
     """Not inherited from anything but the generated base (whose methods answer UNIMPLEMENTED)."""
     assert getattr(PrefillServicer, rpc) is getattr(pb_grpc.WorkerServicer, rpc)
+
+
+def test_a_prompt_the_engine_refuses_is_invalid_argument_naming_the_field(make_engine):
+    """The engine validates inside the output stream (an async generator): the refusal still ends
+    the call with INVALID_ARGUMENT and the field, not UNKNOWN."""
+    import json
+
+    from pdserve.worker.servicer import engine_layout
+
+    engine = make_engine()
+
+    async def body(stub):
+        dest = pb.ReserveResponse(handle="x", layout=engine_layout(engine).to_proto(pb), backend="grpc",
+                                  kv_address="127.0.0.1:9")
+        call = stub.Prefill(pb.PrefillRequest(request_id="x", prompt_token_ids=[10**7], sampling=SAMPLING,
+                                              destination=dest))
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details()
+        return None, None
+
+    code, details = with_worker(engine, PrefillServicer, body)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert json.loads(details)["field"] == "prompt"
