@@ -30,6 +30,7 @@ class WorkerProcess:
     role: str
     process: subprocess.Popen
     address: str = ""
+    metrics_port: int | None = None  # from the ready line, when the worker serves metrics
     forwarder: threading.Thread | None = None  # copies the worker's stdout after it is ready
 
     @property
@@ -80,7 +81,11 @@ def wait_ready(workers: list[WorkerProcess], timeout_s: float = 600.0) -> None:
                 code = w.process.wait()
                 raise RuntimeError(f"{w.role} worker (pid {w.pid}) exited with status {code} before serving")
             if line.startswith(READY):
-                w.address = line.split()[1]
+                fields = line.split()
+                w.address = fields[1]
+                for field in fields[2:]:
+                    if field.startswith("metrics="):
+                        w.metrics_port = int(field.removeprefix("metrics="))
             else:
                 sys.stdout.write(line)
         # Keep the pipe drained so the worker never blocks writing to it.

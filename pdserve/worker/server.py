@@ -54,6 +54,7 @@ class WorkerServer:
         self.registration: Registration | None = None
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []
+        self.metrics_port: int | None = None
 
     @property
     def address(self) -> str:
@@ -77,7 +78,8 @@ class WorkerServer:
         if config.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            start_http_server(config.metrics_port, addr=config.host, registry=servicer.metrics.registry)
+            httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=servicer.metrics.registry)
+            self.metrics_port = httpd.server_port  # the port bound: --metrics-port 0 takes a free one
         if store is not None:
             self.registration = Registration(store, servicer, config.heartbeat_s)
             await self.registration.start()
@@ -123,7 +125,10 @@ async def serve(engine: LLMEngine, config: WorkerConfig, servicer_cls: type[Work
     gc.freeze()  # the model and the engine live as long as the process: keep them out of full GC passes
     server = WorkerServer(engine, config, servicer_cls)
     address = await server.start()
-    print(f"PDSERVE_WORKER_READY {address}", flush=True)  # for launchers waiting on stdout
+    ready = f"PDSERVE_WORKER_READY {address}"
+    if server.metrics_port is not None:
+        ready += f" metrics={server.metrics_port}"
+    print(ready, flush=True)  # for launchers waiting on stdout
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

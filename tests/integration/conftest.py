@@ -79,21 +79,21 @@ def start_cluster(model: str, decode: int, engine_flags: list[str], router_flags
                   prefill_flags: list[str] = (), decode_flags: list[str] = ()) -> Cluster:
     """Workers (one thread each when they share the machine) and a router in front of them."""
     threads = max(1, (os.cpu_count() or 2) // (decode + prefill))
-    metrics_ports = []
     workers = []
     for role, count, extra in (("prefill", prefill, prefill_flags), ("decode", decode, decode_flags)):
         for _ in range(count):
-            metrics_ports.append(free_port())
+            # Metrics on a port the worker binds itself (a port picked here could be taken by another
+            # worker's ephemeral gRPC port before this one binds it).
             workers.append(start_worker(role, ["--host", "127.0.0.1", "--port", "0", "--model", model,
-                                               "--num-threads", str(threads), "--no-load-progress", "--metrics-port",
-                                               str(metrics_ports[-1]), *engine_flags, *extra]))
+                                               "--num-threads", str(threads), "--no-load-progress",
+                                               "--metrics-port", "0", *engine_flags, *extra]))
     try:
         wait_ready(workers, timeout_s=300)
         router, url = start_router([w.address for w in workers], model, *router_flags)
     except BaseException:
         stop_workers(workers, grace_s=5)
         raise
-    return Cluster(url, workers, router, model, {"metrics_ports": metrics_ports})
+    return Cluster(url, workers, router, model, {"metrics_ports": [w.metrics_port for w in workers]})
 
 
 def stop_cluster(cluster: Cluster) -> None:
