@@ -250,18 +250,24 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+SERVERS = {"vllm": "vllm serve", "colocated": "pdserve colocated", "colocated-bf16": "pdserve colocated, bf16 weights",
+           "1p1d": "pdserve 1 prefill + 1 decode"}
+
+
 def serve_servers(args, port: int) -> dict[str, list[str]]:
-    """The servers compared, each a command listening on ``port`` under the checkpoint's path as its name."""
+    """The servers compared (those --serve-servers names), each a command listening on ``port`` under
+    the checkpoint's path as its model name."""
     model = args.vllm_model
     pd = [sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "serve", "--launcher", "processes",
           "--port", str(port), "--served-model-name", model, "--no-enable-prefix-caching"]
-    return {
-        "vllm serve": [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "serve", model, "--dtype", "float32",
-                       "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
-                       "--no-enable-prefix-caching"],
-        "pdserve colocated": [*pd, "--prefill", "0", "--decode", "1"],
-        "pdserve 1 prefill + 1 decode": [*pd, "--prefill", "1", "--decode", "1"],
+    commands = {
+        "vllm": [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "serve", model, "--dtype", "float32",
+                 "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096", "--no-enable-prefix-caching"],
+        "colocated": [*pd, "--prefill", "0", "--decode", "1"],
+        "colocated-bf16": [*pd, "--prefill", "0", "--decode", "1", "--quantization", "bf16"],
+        "1p1d": [*pd, "--prefill", "1", "--decode", "1"],
     }
+    return {SERVERS[name]: commands[name] for name in args.serve_servers.split(",")}
 
 
 def bench_serve(args, port: int, rate: float, out: Path) -> dict:
@@ -343,6 +349,9 @@ def main() -> int:
     parser.add_argument("--serve", action="store_true",
                         help="also compare serving: vllm serve, pdserve serve colocated and 1 prefill + 1 decode, "
                              "each driven by `vllm bench serve` (random prompts) at each of --serve-rates")
+    parser.add_argument("--serve-servers", default="vllm,colocated,1p1d",
+                        help="comma-separated servers for --serve: "
+                             + ", ".join(f"{k} ({v})" for k, v in SERVERS.items()) + " (default: vllm,colocated,1p1d)")
     parser.add_argument("--serve-rates", default="1,2", help="request rates, comma-separated (default: 1,2)")
     parser.add_argument("--serve-prompts", type=int, default=40, help="prompts per rate (default: 40)")
     parser.add_argument("--serve-input", type=int, default=512, help="prompt tokens (default: 512)")
@@ -361,6 +370,9 @@ def main() -> int:
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.serve:
+        unknown = set(args.serve_servers.split(",")) - set(SERVERS)
+        if unknown:
+            parser.error(f"--serve-servers: unknown {', '.join(sorted(unknown))}; known: {', '.join(SERVERS)}")
         if not args.vllm_python:
             parser.error("--serve needs --vllm-python (its client is vllm bench serve)")
         rows = serve_comparison(args, out)
