@@ -46,10 +46,11 @@ NEVER = {
 }
 ONLY = {
     # the router runs no model: protocol, tokenizer and sampling types, the state store, the buckets
-    "router": {"router", "configs", "buckets", "state", "proto", "engine.tokenizer", "engine.sampling_params",
-               "engine.logprobs"},
+    "router": {"router", "configs", "buckets", "state", "proto", "prefix_hash", "engine.tokenizer",
+               "engine.sampling_params", "engine.logprobs"},
     "state": {"state", "configs"},
     "buckets": set(),
+    "prefix_hash": set(),  # the block-hash scheme the engine and the router share: standard library only
 }
 
 

@@ -19,14 +19,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pdserve.engine.engine import EngineStats, LLMEngine
 from pdserve.engine.request import Request, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -116,6 +118,14 @@ class AsyncEngine:
         self._wake.set()
         async for out in self._drain(request_id, stream):
             yield out
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on the engine's thread between steps (e.g. a consistent ``BlockPool.snapshot``)."""
+        self._check_alive()
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", (fn, future)))
+        self._wake.set()
+        return await future
 
     def _check_alive(self) -> None:
         if self.error is not None:
@@ -207,8 +217,18 @@ class AsyncEngine:
                 future.get_loop().call_soon_threadsafe(_resolve, future, result)
             elif kind == "resume":
                 self._resume(*arg)
+            elif kind == "call":
+                self._call(*arg)
             else:
                 self._deliver(self.engine.abort_request(arg))
+
+    def _call(self, fn: Callable, future: asyncio.Future) -> None:
+        try:
+            result = fn()
+        except Exception as e:  # the caller's failure, not the loop's
+            future.get_loop().call_soon_threadsafe(_fail, future, e)
+            return
+        future.get_loop().call_soon_threadsafe(_resolve, future, result)
 
     def _resume(self, request_id: str, kv_ok: bool, output_token_ids: list[int], emitted_text_len: int | None,
                 stream: _Stream) -> None:
@@ -237,6 +257,11 @@ class AsyncEngine:
 def _resolve(future: asyncio.Future, result) -> None:
     if not future.done():
         future.set_result(result)
+
+
+def _fail(future: asyncio.Future, error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 def _aborted(request_id: str, why: str) -> RequestOutput:

@@ -14,27 +14,15 @@ events, counted, never unbounded memory.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import threading
-from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-BlockHash = bytes
-
-
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int], salt: str | None = None) -> BlockHash:
-    """Hash of a full block: its parent's hash, its tokens, and an optional tenant salt.
-
-    Stable across processes (unlike ``hash()``), so routers can index prefixes globally.
-    """
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(array("q", token_ids).tobytes())
-    if salt:
-        h.update(b"\x00salt\x00" + salt.encode())
-    return h.digest()
+# Hashes are computed by the one scheme the router shares (pdserve/prefix_hash.py); the pool only
+# keys its cached blocks by them.
+from pdserve.prefix_hash import BlockHash
 
 
 @dataclass(eq=False)

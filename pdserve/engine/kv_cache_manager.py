@@ -7,8 +7,9 @@ The scheduler asks three things: how much of a new request is already cached
 
 from __future__ import annotations
 
-from pdserve.engine.block_pool import BlockPool, KVCacheBlock, hash_block
+from pdserve.engine.block_pool import BlockPool, KVCacheBlock
 from pdserve.engine.request import Request
+from pdserve.prefix_hash import extend_block_hashes, root_hash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -16,8 +17,11 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, model_fingerprint: str = ""):
         self.block_size = block_size
+        # In every block hash's root (pdserve/prefix_hash.py): another model's KV never matches, and
+        # the router's index computes the same hashes from the fingerprint workers announce.
+        self.model_fingerprint = model_fingerprint
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self._blocks: dict[str, list[KVCacheBlock]] = {}
@@ -36,10 +40,9 @@ class KVCacheManager:
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
-        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
-        while len(hashes) < len(tokens) // bs:
-            i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], request.cache_salt))
+        if len(request.block_hashes) < len(request.all_token_ids) // self.block_size:
+            root = root_hash(self.model_fingerprint, self.block_size, request.cache_salt)
+            extend_block_hashes(request.block_hashes, root, request.all_token_ids, self.block_size)
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """The longest run of cached full blocks that prefixes the request.

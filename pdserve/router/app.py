@@ -39,9 +39,11 @@ from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.asgi import body_limit, read_body, send_json, send_sse
 from pdserve.router.discovery import StoreDiscovery
 from pdserve.router.dispatcher import Dispatcher
+from pdserve.router.index_feed import PrefixIndexFeed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import POLICIES, DisaggregationConfig, least_queued_prefill
 from pdserve.router.pool import WorkerPool
+from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -97,6 +99,11 @@ class Router:
         self.tokenizer = tokenizer
         self.model_spec = model_spec
         self.metrics = RouterMetrics()
+        # The global prefix index, fed by the workers' KV events through the state store (none
+        # without one: --worker addresses alone publish nowhere). Routing does not read it yet.
+        self.prefix_index = PrefixIndex()
+        self.index_feed = (PrefixIndexFeed(self.prefix_index, discovery.store, pool, self.metrics)
+                           if discovery is not None else None)
         disaggregation = DisaggregationConfig(config.disagg_min_prompt_tokens, config.disagg_min_uncached_tokens)
         self.dispatcher = Dispatcher(pool, POLICIES[config.policy](), least_queued_prefill, disaggregation,
                                      self.metrics, waker=waker, wait_for_worker_s=config.startup_wait_s,
@@ -135,17 +142,22 @@ class Router:
             await self.pool.start()
             if self.discovery is not None:
                 await self.discovery.start()
+            if self.index_feed is not None:
+                await self.index_feed.start()
             # Everything alive now lives as long as the router: keep it out of the collector's
             # full passes, which otherwise pause the event loop for tens of ms (seen as TTFT p99).
             gc.collect()
             gc.freeze()
             yield
+            if self.index_feed is not None:
+                await self.index_feed.close()
             if self.discovery is not None:
                 await self.discovery.close()
             await self.pool.close()
             self._executor.shutdown(wait=False, cancel_futures=True)
 
         app = FastAPI(title="pdserve", version="1", lifespan=lifespan)
+        app.state.prefix_index = self.prefix_index
         app.add_exception_handler(RequestValidationError, self._validation_error)
         app.add_exception_handler(OpenAIError, self._openai_error)
 

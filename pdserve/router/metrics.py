@@ -48,6 +48,15 @@ class RouterMetrics:
                                   "tokens had streamed", registry=r)
         self.cold_starts = Counter("pdserve_router_cold_starts", "Requests that found a pool at zero workers and "
                                    "woke it (autoscaling min_replicas 0)", ["pool"], registry=r)
+        self.prefix_index_blocks = Gauge("pdserve_router_prefix_index_blocks", "Distinct block hashes in the "
+                                         "global prefix index (held by a worker in rotation)", registry=r)
+        self.prefix_index_events = Counter("pdserve_router_prefix_index_events", "Workers' KV events read, by "
+                                           "outcome: applied, ignored (duplicate, stale, or a worker not in "
+                                           "rotation), buffered (its worker resyncing), resync (a gap or a restart)",
+                                           ["outcome"], registry=r)
+        self.prefix_index_resyncs = Counter("pdserve_router_prefix_index_resyncs", "Workers' entries rebuilt from "
+                                            "their block lists, by reason (joined, gap, store) and result (ok, "
+                                            "failed)", ["reason", "result"], registry=r)
         self.workers_healthy = Gauge("pdserve_router_workers_healthy", "Workers in rotation", registry=r)
         self.worker_running = Gauge("pdserve_worker_num_running", "Running requests (worker snapshot)",
                                     ["worker"], registry=r)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -65,6 +66,9 @@ class WorkerPool:
         self.timeout_s = timeout_s
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()  # set whenever a worker joins or leaves the rotation
+        # Called with (worker, in rotation?) as it joins or leaves (the prefix index drops a leaving
+        # worker's entries at once and resyncs a joining one); they must not block.
+        self.listeners: list[Callable[[WorkerHandle, bool], None]] = []
 
     async def start(self) -> None:
         """Open the channels (in the running event loop), poll once, keep polling."""
@@ -107,6 +111,7 @@ class WorkerPool:
             w.down.clear()
             self.changed.set()
             log.info("worker %s (%s) in rotation", w.worker_id, w.address)
+            self._notify(w, True)
         elif w.healthy and w.snapshot.draining:
             self.mark_down(w, "draining")
 
@@ -136,6 +141,14 @@ class WorkerPool:
         w.healthy = False
         w.down.set()
         self.changed.set()
+        self._notify(w, False)
+
+    def _notify(self, w: WorkerHandle, in_rotation: bool) -> None:
+        for listener in self.listeners:
+            try:
+                listener(w, in_rotation)
+            except Exception:  # a listener's failure must not change the rotation
+                log.exception("rotation listener failed")
 
     async def wait_for(self, role: str, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a worker of ``role`` in rotation; whether there is one."""

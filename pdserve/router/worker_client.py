@@ -119,3 +119,9 @@ async def rest_of_stream(call, worker: WorkerHandle, idle_timeout_s: float) -> A
             yield msg
     finally:
         watcher.cancel()
+
+
+async def kv_snapshot(worker: WorkerHandle, timeout_s: float) -> pb.KVSnapshotResponse:
+    """The worker's cached prefix hashes as of one of its KV events (the prefix index resyncs from
+    it); a gRPC error raises ``grpc.aio.AioRpcError``."""
+    return await worker.stub.KVSnapshot(pb.KVSnapshotRequest(), timeout=timeout_s)

@@ -12,6 +12,7 @@ A request's lifecycle through any worker (a role adds its own RPCs around it)::
     caller gone -> the request is aborted; Abort(ids) -> the same for the router's ids
     Drain() -> new requests refused (UNAVAILABLE), in-flight ones finish
     Health / Stats (the load snapshot, also what registration heartbeats) / Info: any time
+    KVSnapshot -> the cached prefix hashes as of a KV event number (the router's index resyncs)
 
 Roles subclass ``WorkerServicer``: ``decode_worker.server.DecodeServicer`` (Reserve, PushKV and
 Generate's resume of a reserved request, through ``_start``), ``prefill_worker.server.PrefillServicer``
@@ -167,6 +168,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             model_fingerprint=self.layout.model_fingerprint, max_model_len=engine.max_model_len,
             block_size=engine.block_size, version=pdserve.__version__,
         )
+
+    async def KVSnapshot(self, request, context) -> pb.KVSnapshotResponse:
+        """Every cached prefix hash, as of an event number: taken on the engine's thread, between
+        steps, so the hashes and the number agree (the router's prefix index resyncs from it)."""
+        snapshot = await self.engine.call(self.engine.engine.kv.pool.snapshot)
+        return pb.KVSnapshotResponse(worker_id=self.worker_id, epoch=snapshot.epoch, seq=snapshot.seq,
+                                     block_hashes=b"".join(snapshot.block_hashes))
 
     async def Drain(self, request, context) -> pb.DrainResponse:
         self.draining = True

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import threading
 
-from pdserve.engine.block_pool import BlockPool, KVEvent, hash_block
+from pdserve.engine.block_pool import BlockPool, KVEvent
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.prefix_hash import hash_block, root_hash
 from tests.conftest import run_to_completion
 
 
@@ -17,12 +18,13 @@ def make_request(rid: str, tokens: list[int], salt: str | None = None) -> Reques
 
 
 def test_hash_chain_is_stable_and_depends_on_parent_tokens_and_salt():
-    a = hash_block(None, [1, 2, 3, 4])
-    assert a == hash_block(None, [1, 2, 3, 4])
-    assert a != hash_block(None, [1, 2, 3, 5])
-    assert hash_block(a, [5, 6]) != hash_block(None, [5, 6])
-    assert hash_block(None, [1, 2, 3, 4], "tenant-a") != hash_block(None, [1, 2, 3, 4], "tenant-b")
-    assert hash_block(None, [1, 2, 3, 4], "tenant-a") != a
+    """The scheme itself is pdserve/prefix_hash.py, pinned by tests/test_prefix_hash.py's vectors."""
+    root, other_tenant = root_hash("m", 4), root_hash("m", 4, "tenant-b")
+    a = hash_block(root, [1, 2, 3, 4])
+    assert a == hash_block(root_hash("m", 4), [1, 2, 3, 4])
+    assert a != hash_block(root, [1, 2, 3, 5])
+    assert hash_block(a, [5, 6]) != hash_block(root, [5, 6])
+    assert hash_block(other_tenant, [1, 2, 3, 4]) != a
 
 
 def test_pool_ref_counts_and_lru_eviction_order():

@@ -322,3 +322,19 @@ class PrefillResponse(_message.Message):
     transfer_ok: bool
     transfer_error: str
     def __init__(self, first: _Optional[_Union[GenerateResponse, _Mapping]] = ..., transfer_done: _Optional[bool] = ..., transfer_ok: _Optional[bool] = ..., transfer_error: _Optional[str] = ...) -> None: ...
+
+class KVSnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVSnapshotResponse(_message.Message):
+    __slots__ = ("worker_id", "epoch", "seq", "block_hashes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: str
+    seq: int
+    block_hashes: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[str] = ..., seq: _Optional[int] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...

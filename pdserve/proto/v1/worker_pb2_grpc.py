@@ -64,6 +64,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.KVSnapshot = channel.unary_unary(
+                '/pdserve.v1.Worker/KVSnapshot',
+                request_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.KVSnapshotRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.KVSnapshotResponse.FromString,
+                _registered_method=True)
         self.Reserve = channel.unary_unary(
                 '/pdserve.v1.Worker/Reserve',
                 request_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
@@ -116,6 +121,13 @@ class WorkerServicer:
 
     def Drain(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KVSnapshot(self, request, context):
+        """The cached prefix blocks, for the router's prefix index (either role).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -173,6 +185,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+            'KVSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.KVSnapshot,
+                    request_deserializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.KVSnapshotRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_v1_dot_worker__pb2.KVSnapshotResponse.SerializeToString,
             ),
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
@@ -352,6 +369,33 @@ class Worker:
             '/pdserve.v1.Worker/Drain',
             pdserve_dot_proto_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             pdserve_dot_proto_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/KVSnapshot',
+            pdserve_dot_proto_dot_v1_dot_worker__pb2.KVSnapshotRequest.SerializeToString,
+            pdserve_dot_proto_dot_v1_dot_worker__pb2.KVSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,73 @@
+"""The one block-hash scheme: the engine's prefix cache, its KV events and the router's prefix index.
+
+A prompt's full blocks hash as a chain that starts from a root naming everything that makes two
+workers' KV for the same tokens interchangeable, or not::
+
+    root    = blake2b-128(field(SEED), field(model fingerprint), field(block size), field(cache salt))
+    block_0 = blake2b-128(root    || token ids of block 0 as int64 little-endian)
+    block_i = blake2b-128(block_{i-1} || token ids of block i as int64 little-endian)
+
+``field(x)`` is ``len(x)`` as 8 bytes little-endian, then ``x`` (UTF-8 for text): no two
+different (seed, fingerprint, block size, salt) tuples give the same bytes. A missing salt and
+an empty one are the same tenant (the engine reads ``""`` as none). Blake2b is stable across
+processes and machines, unlike Python's ``hash()`` (randomised per process). The test vectors in
+``tests/data/prefix_hash_vectors.json`` pin every byte: a change here is a new ``SEED`` (so
+mixed versions never match) and new vectors, never a silent drift between engine and router.
+
+Imported by ``engine/`` (block_pool, kv_cache_manager) and ``router/`` alike: it needs only the
+standard library (the router never imports torch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+SEED = b"pdserve/prefix-hash/v1"
+DIGEST_SIZE = 16  # bytes; events carry them as 32 hex digits
+
+
+def _field(data: bytes) -> bytes:
+    return len(data).to_bytes(8, "little") + data
+
+
+def root_hash(model_fingerprint: str, block_size: int, cache_salt: str | None = None,
+              seed: bytes = SEED) -> BlockHash:
+    """The parent of a prompt's first block: (seed, model, block size, tenant salt)."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    for data in (seed, model_fingerprint.encode(), block_size.to_bytes(8, "little"), (cache_salt or "").encode()):
+        h.update(_field(data))
+    return h.digest()
+
+
+def _int64_le(token_ids: Sequence[int]) -> bytes:
+    words = array("q", token_ids)
+    if sys.byteorder == "big":  # the digest must not depend on the machine
+        words.byteswap()
+    return words.tobytes()
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """A full block's hash: its parent's (the root for the first block) and its token ids."""
+    h = hashlib.blake2b(parent, digest_size=DIGEST_SIZE)
+    h.update(_int64_le(token_ids))
+    return h.digest()
+
+
+def extend_block_hashes(hashes: list[BlockHash], root: BlockHash, token_ids: Sequence[int],
+                        block_size: int) -> list[BlockHash]:
+    """Append to ``hashes`` (the chain so far of ``token_ids``) one hash per full block not yet in it."""
+    while len(hashes) < len(token_ids) // block_size:
+        i = len(hashes)
+        hashes.append(hash_block(hashes[-1] if hashes else root, token_ids[i * block_size:(i + 1) * block_size]))
+    return hashes
+
+
+def block_hashes(token_ids: Sequence[int], model_fingerprint: str, block_size: int,
+                 cache_salt: str | None = None) -> list[BlockHash]:
+    """Every full block's chained hash, as the engine of that model and block size computes it."""
+    return extend_block_hashes([], root_hash(model_fingerprint, block_size, cache_salt), token_ids, block_size)
