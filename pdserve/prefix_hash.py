@@ -60,10 +60,21 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 
 def extend_block_hashes(hashes: list[BlockHash], root: BlockHash, token_ids: Sequence[int],
                         block_size: int) -> list[BlockHash]:
-    """Append to ``hashes`` (the chain so far of ``token_ids``) one hash per full block not yet in it."""
-    while len(hashes) < len(token_ids) // block_size:
-        i = len(hashes)
-        hashes.append(hash_block(hashes[-1] if hashes else root, token_ids[i * block_size:(i + 1) * block_size]))
+    """Append to ``hashes`` (the chain so far of ``token_ids``) one hash per full block not yet in it.
+
+    The same digests as ``hash_block`` block by block; the new blocks' tokens are converted to
+    bytes once (a 64-block prompt hashes in tens of microseconds: the router does this per request).
+    """
+    start, end = len(hashes), len(token_ids) // block_size
+    if start >= end:
+        return hashes
+    data = memoryview(_int64_le(token_ids[start * block_size:end * block_size]))
+    step, parent = 8 * block_size, hashes[-1] if hashes else root
+    for offset in range(0, len(data), step):
+        h = hashlib.blake2b(parent, digest_size=DIGEST_SIZE)
+        h.update(data[offset:offset + step])
+        parent = h.digest()
+        hashes.append(parent)
     return hashes
 
 

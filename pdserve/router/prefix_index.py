@@ -63,15 +63,14 @@ def keys_of(block_hashes: Iterable[BlockHash]) -> np.ndarray:
 
 def keys_of_packed(packed: bytes) -> np.ndarray:
     """``key_of`` of each hash in concatenated 16-byte hashes (a KVSnapshot's ``block_hashes``)."""
-    keys = np.frombuffer(packed, ">u8").reshape(-1, 2)[:, 0].astype(np.uint64)
-    keys[keys == 0] = 1
-    return keys
+    return np.maximum(np.frombuffer(packed, ">u8")[::2], 1).astype(np.uint64)
 
 
 def prompt_keys(token_ids: Sequence[int], model_fingerprint: str, block_size: int,
                 cache_salt: str | None = None) -> list[int]:
     """A prompt's index keys: the engine's chained block hashes (pdserve/prefix_hash.py), truncated."""
-    return [key_of(h) for h in block_hashes(token_ids, model_fingerprint, block_size, cache_salt)]
+    hashes = block_hashes(token_ids, model_fingerprint, block_size, cache_salt)
+    return keys_of_packed(b"".join(hashes)).tolist()
 
 
 @dataclass
