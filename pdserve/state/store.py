@@ -141,6 +141,8 @@ class MemoryStateStore:
         after = int(cursor or 0)
         oldest = self._events[0][0] if self._events else self._next_event
         resync = after + 1 < oldest and after > 0
+        if after >= self._next_event:  # a cursor from before this store restarted empty: events were lost
+            after, resync = 0, True
         picked = [(i, e) for i, e in self._events if i > after][:count]
         return KVEventBatch([e for _, e in picked], str(picked[-1][0] if picked else max(after, oldest - 1)), resync)
 

@@ -16,7 +16,8 @@ class WorkerConfig:
     host: str = doc("127.0.0.1", "address to serve gRPC on")
     port: int = doc(50051, "gRPC port (0: any free port)")
     worker_id: str = doc("", "name in load snapshots and logs (default: role-host-port)")
-    metrics_port: int | None = doc(None, "serve Prometheus metrics over HTTP on this port; 0 takes a free port, printed in the ready line as metrics=PORT (default: off)")
+    metrics_port: int | None = doc(None, "serve Prometheus metrics over HTTP on this port; 0 takes a free port, "
+                                         "printed in the ready line as metrics=PORT (default: off)")
     grace_s: float = doc(30.0, "on SIGTERM, how long in-flight requests may take to finish")
     kv_lease_ms: int = doc(10000, "decode: how long a transfer may go without a chunk (each renews the lease) "
                                   "before the prompt is computed here instead")

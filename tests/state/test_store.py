@@ -109,6 +109,19 @@ def test_the_event_stream_is_bounded_and_a_reader_left_behind_resyncs(store_conf
     run(store_config(max_events=10), body)
 
 
+def test_a_cursor_from_before_the_memory_store_restarted_resyncs():
+    """The Ray StateStore replica can restart empty: a reader's cursor is then ahead of the counter."""
+    async def body(store):
+        await store.publish_kv_events([KVEventRecord("d1", "stored", (f"{i:x}",)) for i in range(5)])
+        old_cursor = (await store.read_kv_events()).cursor
+        restarted = make_state_store(StateStoreConfig())
+        await restarted.publish_kv_events([KVEventRecord("d1", "stored", ("aa",))])
+        batch = await restarted.read_kv_events(old_cursor)
+        assert batch.resync and batch.events == [KVEventRecord("d1", "stored", ("aa",))]
+
+    run(StateStoreConfig(), body)
+
+
 def test_redis_going_away_answers_the_last_known_state_and_resyncs(caplog):
     server = RedisServer(redis_binary())
     server.start()
