@@ -28,16 +28,12 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve.engine.cpu_isa import describe_cpu
+
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 ROWS = [1, 4, 8, 32, 128, 512, 2048]
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
             "PDSERVE_CPU_ISA": "avx2"}
-
-
-def cpu_flags() -> list[str]:
-    text = Path("/proc/cpuinfo").read_text()
-    flags = next(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags"))
-    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
 
 
 def measure(args) -> dict:
@@ -133,13 +129,12 @@ def main() -> int:
         proc = subprocess.run([sys.executable, __file__, "--child", "--threads", str(args.threads), "--seconds",
                                str(args.seconds)], env=env, stdout=subprocess.PIPE, text=True, check=True)
         results[mode] = json.loads(proc.stdout)
-    print(f"CPU: {Path('/proc/cpuinfo').read_text().split('model name')[1].split(':')[1].splitlines()[0].strip()}; "
-          f"flags: {' '.join(cpu_flags())}")
+    print(f"CPU: {describe_cpu()}")
     for mode, result in results.items():
         print(table(mode, result))
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cpu_matmul.json").write_text(json.dumps({"flags": cpu_flags(), "results": results}, indent=1))
+    (out / "cpu_matmul.json").write_text(json.dumps({"cpu": describe_cpu(), "results": results}, indent=1))
     return 0
 
 

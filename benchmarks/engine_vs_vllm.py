@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve.engine.cpu_isa import describe_cpu
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {"batch64": "output tok/s", "batch32": "output tok/s", "prefill": "prompt tok/s",
              "decode": "output tok/s"}
@@ -171,14 +173,6 @@ def agreement(a: dict, b: dict) -> tuple[int, int]:
             total += 1
             same += ra["output_token_ids"] == rb["output_token_ids"]
     return same, total
-
-
-def cpu_description() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    model = next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
-    flags = next(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags"))
-    keep = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
-    return f"{model}, {os.cpu_count()} cores; flags: {' '.join(keep)}"
 
 
 def table(rows: list[dict]) -> str:
@@ -376,11 +370,11 @@ def main() -> int:
         if not args.vllm_python:
             parser.error("--serve needs --vllm-python (its client is vllm bench serve)")
         rows = serve_comparison(args, out)
-        print(f"\nCPU: {cpu_description()}\n\n{serve_table(rows)}")
+        print(f"\nCPU: {describe_cpu()}\n\n{serve_table(rows)}")
         best = goodput(rows, args.slo_ttft_ms, args.slo_tpot_ms)
         print(f"\ngoodput (highest rate with p90 TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= {args.slo_tpot_ms:g} ms): "
               + ", ".join(f"{k}: {v:g} req/s" for k, v in best.items()))
-        (out / "serve_vs_vllm.json").write_text(json.dumps({"cpu": cpu_description(), "rows": rows,
+        (out / "serve_vs_vllm.json").write_text(json.dumps({"cpu": describe_cpu(), "rows": rows,
                                                            "goodput": best}, indent=1))
         if args.skip_offline:
             return 0
@@ -408,9 +402,9 @@ def main() -> int:
             if vllm and dtype == "float32":
                 same, total = agreement(vllm, ours)
                 print(f"{isa}: greedy outputs token-identical in {same} of {total} requests", flush=True)
-    print(f"\nCPU: {cpu_description()}\n")
+    print(f"\nCPU: {describe_cpu()}\n")
     print(table(rows))
-    (out / "engine_vs_vllm.json").write_text(json.dumps({"cpu": cpu_description(), "rows": rows, "raw": raw},
+    (out / "engine_vs_vllm.json").write_text(json.dumps({"cpu": describe_cpu(), "rows": rows, "raw": raw},
                                                         indent=1))
     plot(rows, out / "engine_vs_vllm.png")
     return 0

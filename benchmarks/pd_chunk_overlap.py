@@ -42,13 +42,10 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.engine.cpu_isa import describe_cpu
+
 MODEL = "smollm2-135m-instruct"
 BUDGET = 512
-
-
-def cpu_flags() -> str:
-    out = subprocess.run(["grep", "-o", r"avx512[a-z_0-9]*\|avx2", "/proc/cpuinfo"], capture_output=True, text=True)
-    return " ".join(sorted(set(out.stdout.split())))
 
 
 def pin(pid: int, core: int) -> None:
@@ -205,9 +202,9 @@ def main() -> None:
     tree = Path(args.tree).resolve()
     commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    flags = cpu_flags()
+    flags = describe_cpu()
     rows = run(tree, [int(x) for x in args.sizes.split(",")], args.reps, args.seed)
-    print(f"\n{args.tag} ({tree}, commit {commit}); CPU flags: {flags}; median of {args.reps} pairs, one thread "
+    print(f"\n{args.tag} ({tree}, commit {commit}); CPU: {flags}; median of {args.reps} pairs, one thread "
           f"per worker, --max-num-batched-tokens {BUDGET}")
     print("prompt tokens | colocated TTFT (s) | disaggregated TTFT (s) | added TTFT | colocated 2nd token (s) | "
           "disaggregated 2nd token (s) | added to 2nd token")

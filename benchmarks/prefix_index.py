@@ -32,17 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.engine.cpu_isa import describe_cpu
 from pdserve.router.prefix_index import PrefixIndex, prompt_keys
 from pdserve.state.store import KVEventRecord
 
 CHAIN = 64  # blocks per conversation
-
-
-def cpu() -> str:
-    text = Path("/proc/cpuinfo").read_text()
-    name = text.split("model name")[1].split(":")[1].splitlines()[0].strip()
-    flags = next(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags"))
-    return f"{name}; flags: {' '.join(sorted(f for f in flags if f.startswith(('avx', 'amx', 'fma', 'sse4', 'bmi'))))}"
 
 
 def build(workers: int, blocks: int, rng: np.random.Generator) -> tuple[PrefixIndex, np.ndarray, float, int]:
@@ -145,7 +139,8 @@ def main() -> int:
     start = time.perf_counter()
     index.drop_worker("w2")
     result["drop_ms"] = (time.perf_counter() - start) * 1e3
-    print(f"CPU: {cpu()}\nload average before: {load_before}, after: {Path('/proc/loadavg').read_text().split()[0]}")
+    load_after = Path("/proc/loadavg").read_text().split()[0]
+    print(f"CPU: {describe_cpu()}\nload average before: {load_before}, after: {load_after}")
     print(table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -1,6 +1,6 @@
 """Weight quantization on the default model: memory, decode speed, perplexity, agreement with float.
 
-    python benchmarks/quantization.py                       # float, int8, int4, awq (groups 32, 128), gguf
+    python benchmarks/quantization.py                       # float, bf16, int8, int4, awq (groups 32, 128), gguf
     python benchmarks/quantization.py --formats float,int8  # a subset; int4/128 = int4 with groups of 128
 
 Each format runs in its own process (``EngineConfig.quantization``; "float" is ``none``, the
@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from pdserve.engine.cpu_isa import describe_cpu
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 PROMPTS = [
@@ -144,7 +146,8 @@ def report(results: list[dict], args) -> list[dict]:
             "b1_vs_ref": r["decode_b1_tok_s"] / ref["decode_b1_tok_s"],
             "b16_vs_ref": r["decode_b16_tok_s"] / ref["decode_b16_tok_s"],
         })
-    print(f"\nmodel {args.model}, {ref['threads']} threads; decode: {args.prompt_len}-token prompts, "
+    print(f"\nCPU: {describe_cpu()}")
+    print(f"model {args.model}, {ref['threads']} threads; decode: {args.prompt_len}-token prompts, "
           f"{args.decode_tokens} new tokens; perplexity over {ref['ppl_tokens']} tokens of {TEXT.name}; "
           f"agreement: {len(PROMPTS)} chat prompts x {args.agree_tokens} greedy tokens vs {ref['format']}\n")
     cols = [("format", "{}"), ("weight_mib", "{:.1f}"), ("load_s", "{:.1f}"), ("decode_b1_tok_s", "{:.1f}"),
@@ -178,8 +181,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (default: smollm2-135m-instruct)")
-    p.add_argument("--formats", default="float,int8,int4,awq,int4/128,awq/128,gguf",
-                   help="comma-separated formats among float,int8,int4,awq,gguf, int4 and awq optionally with "
+    p.add_argument("--formats", default="float,bf16,int8,int4,awq,int4/128,awq/128,gguf",
+                   help="comma-separated formats among float,bf16,int8,int4,awq,gguf, int4 and awq optionally with "
                         "/GROUP; float first for the ratios and agreement against it (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=32,
                    help="int4/awq group size where a format names none: 32, 64 or 128 (default: 32)")

@@ -61,6 +61,17 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.split(":", 1)[1].split())
 
 
+def describe_cpu() -> str:
+    """The processor's name, core count and vector flags, for the head of every benchmark table."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    name = next((x.split(":", 1)[1].strip() for x in text.splitlines() if x.startswith("model name")), "unknown CPU")
+    vector = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    return f"{name}, {os.cpu_count()} cores; flags: {' '.join(vector)}"
+
+
 def best_isa(flags: frozenset[str]) -> str:
     return [isa for isa in ORDER if all(f in flags for f in ISA_FLAGS[isa])][-1]
 
