@@ -140,9 +140,14 @@ class ServeConfig:
         if self.kv_transfer.reservation_ttl_ms < self.kv_transfer.lease_ms:
             raise ConfigError(f"kv_transfer.reservation_ttl_ms ({self.kv_transfer.reservation_ttl_ms}) must be at "
                               f"least kv_transfer.lease_ms ({self.kv_transfer.lease_ms})")
-        for key in ("disagg_min_prompt_tokens", "disagg_min_uncached_tokens"):
+        for key in ("disagg_min_prompt_tokens", "disagg_min_uncached_tokens", "cost_decode_step_s",
+                    "cost_decode_step_s_per_seq", "cost_transfer_s_per_token", "cost_remote_overhead_s",
+                    "cost_decode_horizon_tokens", "cost_interference", "policy_temperature"):
             if getattr(self.router, key) < 0:
                 raise ConfigError(f"router.{key}: must not be negative, got {getattr(self.router, key)}")
+        if self.router.cost_prefill_tokens_per_s <= 0:
+            raise ConfigError(f"router.cost_prefill_tokens_per_s: must be positive, got "
+                              f"{self.router.cost_prefill_tokens_per_s}")
 
 
 def read_yaml(path: str | Path | None) -> dict[str, Any]:

@@ -37,11 +37,12 @@ from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.tokenizer import ModelTokenizer
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.asgi import body_limit, read_body, send_json, send_sse
+from pdserve.router.cost import CostModel
 from pdserve.router.discovery import StoreDiscovery
 from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.index_feed import PrefixIndexFeed
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import POLICIES, DisaggregationConfig, least_queued_prefill
+from pdserve.router.policy import POLICIES, DisaggregationConfig
 from pdserve.router.pool import WorkerPool
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.protocol import (
@@ -54,7 +55,7 @@ from pdserve.router.protocol import (
     parse_tokenize,
     validation_error,
 )
-from pdserve.router.responses import SSE_DONE, Choice, Formatter, usage
+from pdserve.router.responses import SSE_DONE, Choice, Formatter, cached_prompt_tokens, usage
 from pdserve.router.tokenization import detokenize, tokenize
 from pdserve.router.worker_client import NoWorkerError, WorkerLostError, sampling_to_proto
 
@@ -68,7 +69,20 @@ class RouterConfig:
     host: str = doc("127.0.0.1", "address the HTTP API listens on")
     port: int = doc(8000, "HTTP port of the OpenAI-compatible API")
     served_model_name: str = doc("", "model name clients send (default: the name the workers serve)")
-    policy: Literal["least_loaded", "round_robin"] = doc("least_loaded", "how a worker is chosen for a request")
+    policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = doc(
+        "cache_aware", "how a worker is chosen: cache_aware (least predicted seconds: the prompt's uncached part, "
+                       "the queue ahead, the decode slowdown; router/cost.py), least_loaded, round_robin, random")
+    cost_prefill_tokens_per_s: float = doc(500.0, "cost model: prompt tokens a worker prefills per second")
+    cost_decode_step_s: float = doc(0.02, "cost model: one decode step of one sequence, in seconds (a worker "
+                                          "that is decoding reports its own, from its generation rate)")
+    cost_decode_step_s_per_seq: float = doc(0.002, "cost model: seconds each more sequence adds to a decode step")
+    cost_transfer_s_per_token: float = doc(5e-5, "cost model: seconds to ship one token's KV to a decode worker")
+    cost_remote_overhead_s: float = doc(0.005, "cost model: the extra calls of a remote prefill, in seconds")
+    cost_decode_horizon_tokens: int = doc(16, "cost model: output tokens over which a decode slowdown is counted")
+    cost_interference: float = doc(2.0, "cost model: weight of a local prefill's delay to its decode batch "
+                                        "(higher: more remote prefill)")
+    policy_temperature: float = doc(0.0, "cache_aware: 0 picks the least cost (ties at random); above 0, a softmax "
+                                         "over -cost / temperature spreads requests over near-equal workers")
     max_concurrent_requests: int = doc(512, "admission limit: past this many requests in flight, answer 429")
     retry_after_s: int = doc(1, "Retry-After seconds sent with a 429")
     poll_interval_s: float = doc(0.5, "how often worker load snapshots and health are read")
@@ -83,6 +97,11 @@ class RouterConfig:
                                       "(the first still starting) before a 503; /ready answers 503 meanwhile")
     stream_idle_timeout_s: float = doc(60.0, "a worker stream that sends nothing for this long after its first "
                                              "token is given up: the request continues on another decode worker")
+
+    def cost_model(self) -> CostModel:
+        return CostModel(self.cost_prefill_tokens_per_s, self.cost_decode_step_s, self.cost_decode_step_s_per_seq,
+                         self.cost_transfer_s_per_token, self.cost_remote_overhead_s, self.cost_decode_horizon_tokens,
+                         self.cost_interference, self.policy_temperature)
 
 
 # Bodies up to this size are parsed and tokenised on the event loop (a millisecond or two); larger
@@ -100,14 +119,16 @@ class Router:
         self.model_spec = model_spec
         self.metrics = RouterMetrics()
         # The global prefix index, fed by the workers' KV events through the state store (none
-        # without one: --worker addresses alone publish nowhere). Routing does not read it yet.
+        # without one: --worker addresses alone publish nowhere, and cache_aware routes by load).
         self.prefix_index = PrefixIndex()
         self.index_feed = (PrefixIndexFeed(self.prefix_index, discovery.store, pool, self.metrics)
                            if discovery is not None else None)
         disaggregation = DisaggregationConfig(config.disagg_min_prompt_tokens, config.disagg_min_uncached_tokens)
-        self.dispatcher = Dispatcher(pool, POLICIES[config.policy](), least_queued_prefill, disaggregation,
+        decode_policy, prefill_policy = POLICIES[config.policy](config.cost_model())
+        self.dispatcher = Dispatcher(pool, decode_policy, prefill_policy, disaggregation,
                                      self.metrics, waker=waker, wait_for_worker_s=config.startup_wait_s,
-                                     stream_idle_timeout_s=config.stream_idle_timeout_s)
+                                     stream_idle_timeout_s=config.stream_idle_timeout_s, index=self.prefix_index,
+                                     cost_model=config.cost_model())
         self.inflight = 0
         self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                             thread_name_prefix="router-prepare")
@@ -290,7 +311,7 @@ class Router:
         fmt = Formatter(self.tokenizer, rid, body.model, chat=kind == "chat")
         want_logprobs = (body.logprobs if kind == "chat" else body.logprobs is not None)
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
-        run = _Run(self, fmt, choices, want_logprobs, prompt_tokens, started, endpoint)
+        run = _Run(self, fmt, choices, want_logprobs, prompt_tokens, started, endpoint, params.n)
         if body.stream:
             body_iter = run.sse(first, stream, bool(body.stream_options and body.stream_options.include_usage))
             # A client gone before the first byte: the body is never iterated, its finally never
@@ -391,11 +412,14 @@ class _Run:
     """One HTTP request being answered: its choices, timings and metrics."""
 
     def __init__(self, router: Router, fmt: Formatter, choices: list[Choice], want_logprobs: bool,
-                 prompt_tokens: int, started: float, endpoint: str):
+                 prompt_tokens: int, started: float, endpoint: str, n: int = 1):
         self.router, self.fmt, self.choices = router, fmt, choices
         self.want_logprobs, self.prompt_tokens = want_logprobs, prompt_tokens
-        self.started, self.endpoint = started, endpoint
-        self.cached_tokens = 0
+        self.started, self.endpoint, self.n = started, endpoint, n
+        # Each choice's prefix hit, from its first message: the worker that computed its prompt
+        # (a prefill worker, or its decode worker); later messages (the decode worker after a
+        # remote prefill, another after a migration) did not compute the prompt.
+        self.cached = [None] * len(choices)
         self.first_at: float | None = None
         self.finished = False
 
@@ -405,7 +429,8 @@ class _Run:
         now = time.perf_counter()
         previous = c.last_token_at
         text, lps = c.add(msg, now)
-        self.cached_tokens = max(self.cached_tokens, msg.num_cached_tokens)
+        if self.cached[index] is None:
+            self.cached[index] = msg.num_cached_tokens
         if msg.token_ids:
             m = self.router.metrics
             if self.first_at is None:
@@ -416,7 +441,8 @@ class _Run:
         return c, text, lps, offset
 
     def _usage(self) -> dict:
-        return usage(self.prompt_tokens, sum(len(c.token_ids) for c in self.choices), self.cached_tokens)
+        return usage(self.prompt_tokens, sum(len(c.token_ids) for c in self.choices),
+                     cached_prompt_tokens(self.cached, self.n))
 
     def abandon(self, stream) -> None:
         if self.finished:

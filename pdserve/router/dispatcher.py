@@ -3,6 +3,10 @@
     async for msg in dispatcher.run(request):      # pb.GenerateResponse deltas, first token first
         ...
 
+Which workers (``policy.POLICIES``, by name): each request's prompt keys are looked up once in the
+global prefix index (``cached``: each worker's predicted hit), and the policy picks among the
+workers in rotation with them (``cache_aware``: least predicted seconds, router/cost.py).
+
 Paths (``policy.prefill_route`` decides, before and after the reservation):
 
     colocated        decode worker: Generate (it prefills its own prompt)
@@ -36,15 +40,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
 from pdserve.engine.sampling_params import InvalidRequestError
 from pdserve.proto.v1 import worker_pb2 as pb
+from pdserve.router import cost
+from pdserve.router.cost import CostModel, RouteRequest
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import DisaggregationConfig, Policy, PrefillInputs, prefill_route
 from pdserve.router.pool import WorkerHandle, WorkerPool
+from pdserve.router.prefix_index import PrefixIndex, prompt_keys
 from pdserve.router.worker_client import (
     WORKER_FAILURES,
     NoWorkerError,
@@ -58,11 +67,22 @@ from pdserve.router.worker_client import (
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Route:
+    """One request's routing: what the decisions know of it, and the hit predicted where it is prefilled."""
+
+    req: RouteRequest
+    predicted_cached: int = 0
+
+
 class Dispatcher:
     def __init__(self, pool: WorkerPool, decode_policy: Policy, prefill_policy: Policy,
                  disaggregation: DisaggregationConfig, metrics: RouterMetrics, max_migrations: int = 3,
-                 waker=None, wait_for_worker_s: float = 0.0, stream_idle_timeout_s: float = 60.0):
+                 waker=None, wait_for_worker_s: float = 0.0, stream_idle_timeout_s: float = 60.0,
+                 index: PrefixIndex | None = None, cost_model: CostModel = CostModel()):
         self.pool = pool
+        self.index = index  # the global prefix index (empty where no worker's KV events reach it)
+        self.cost_model = cost_model
         self.wait_for_worker_s = wait_for_worker_s  # a request finding no decode worker waits this long for one
         self.stream_idle_timeout_s = stream_idle_timeout_s  # a stream silent this long is lost: migrate
         # Scale from zero (cluster/ray_app.py PoolWaker): asked to start a worker of a pool that has none
@@ -77,10 +97,14 @@ class Dispatcher:
     async def run(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         generated: list[int] = []
         emitted = 0  # characters of text sent to the client
-        stream = self._first_leg(request)
+        route = _Route(self._route_request(request))
+        stream = self._first_leg(request, route)
         for migration in range(self.max_migrations + 1):
             try:
                 async for msg in stream:
+                    if not generated and msg.token_ids:  # the first leg's first message: its prefix hit
+                        self.metrics.cached_tokens.labels("predicted").inc(route.predicted_cached)
+                        self.metrics.cached_tokens.labels("actual").inc(msg.num_cached_tokens)
                     generated.extend(msg.token_ids)
                     emitted += len(msg.text)
                     yield msg
@@ -92,32 +116,50 @@ class Dispatcher:
                 log.warning("request %s: %s; continuing elsewhere after %d tokens", request.request_id, e,
                             len(generated))
                 stream = self._colocated(_continuation(request, f"{request.request_id}-m{migration + 1}",
-                                                       generated, emitted))
+                                                       generated, emitted), route)
                 self.metrics.migrations.inc()
 
-    def _first_leg(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    def _route_request(self, request: pb.GenerateRequest) -> RouteRequest:
+        """The request as the policies see it: each worker's predicted prefix hit (from the index;
+        the prompt hashed once, and not at all while no worker is indexed), the cheapest remote prefill."""
+        prompt = request.prompt_token_ids
+        cached: dict[str, int] = {}
+        info = self.pool.model_info()
+        if self.index is not None and self.index.workers and info is not None and info.block_size > 0:
+            started = time.perf_counter()
+            keys = prompt_keys(prompt, info.model_fingerprint, info.block_size, request.cache_salt or None)
+            hashed = time.perf_counter()
+            cached = {w: blocks * info.block_size for w, blocks in self.index.lookup(keys).items()}
+            self.metrics.decision_seconds.labels("prompt_keys").observe(hashed - started)
+            self.metrics.decision_seconds.labels("lookup").observe(time.perf_counter() - hashed)
+        req = RouteRequest(len(prompt), cached)
+        prefills = [w.load() for w in self.pool.healthy("prefill")]
+        return RouteRequest(len(prompt), cached, cost.cheapest_remote_s(prefills, req, self.cost_model))
+
+    def _first_leg(self, request: pb.GenerateRequest, route: _Route) -> AsyncIterator[pb.GenerateResponse]:
         prompt = len(request.prompt_token_ids)
-        route = prefill_route(PrefillInputs(prompt, bool(self.pool.healthy("prefill")),
+        where = prefill_route(PrefillInputs(prompt, bool(self.pool.healthy("prefill")),
                                             prompt_logprobs=request.sampling.HasField("prompt_logprobs")),
                               self.disaggregation)
-        if route == "reserve":
-            return self._disaggregated(request)
-        if route == "local_no_prefill_worker" and self.waker is not None and prompt >= \
+        if where == "reserve":
+            return self._disaggregated(request, route)
+        if where == "local_no_prefill_worker" and self.waker is not None and prompt >= \
                 self.disaggregation.min_prompt_tokens:
             self.waker.wake("prefill")  # prefilled here meanwhile
-        self.metrics.prefill_decisions.labels(route).inc()
-        return self._colocated(request)
+        self.metrics.prefill_decisions.labels(where).inc()
+        return self._colocated(request, route)
 
     # ---- colocated -------------------------------------------------------------------------
 
-    async def _colocated(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def _colocated(self, request: pb.GenerateRequest, route: _Route) -> AsyncIterator[pb.GenerateResponse]:
         tried: set[str] = set()
         await self._await_decode_worker()
         while True:
-            worker = self._pick("decode", self.decode_policy, tried)
+            worker = self._pick("decode", self.decode_policy, tried, route.req)
             started = False
+            route.predicted_cached = _predicted(route.req, worker)
             try:
-                async for msg in self._generate(worker, request):
+                async for msg in self._generate(worker, request, route.req.prompt_tokens - route.predicted_cached):
                     started = True
                     yield msg
                 return
@@ -140,12 +182,18 @@ class Dispatcher:
         elif self.wait_for_worker_s > 0:
             await self.pool.wait_for("decode", self.wait_for_worker_s)
 
-    async def _generate(self, worker: WorkerHandle, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """A worker's Generate stream; its failures become ``_Retry`` (bad input stays an error)."""
+    async def _generate(self, worker: WorkerHandle, request: pb.GenerateRequest,
+                        prefill_tokens: int) -> AsyncIterator[pb.GenerateResponse]:
+        """A worker's Generate stream; its failures become ``_Retry`` (bad input stays an error).
+        ``prefill_tokens``: the prompt tokens it is predicted to compute before its first message."""
         worker.inflight += 1
+        worker.inflight_tokens += prefill_tokens
         call = worker.stub.Generate(request)
         try:
-            first = await first_message(call, worker)
+            try:
+                first = await first_message(call, worker)
+            finally:
+                worker.inflight_tokens -= prefill_tokens
             if first is None:
                 return
             yield first
@@ -168,9 +216,12 @@ class Dispatcher:
             self.pool.mark_down(worker, f"{rpc} failed: {e.details()}")
         return _Retry(f"{rpc}: {e.code().name}")
 
-    def _pick(self, role: str, policy: Policy, tried: set[str], like: WorkerHandle | None = None) -> WorkerHandle:
+    def _pick(self, role: str, policy: Policy, tried: set[str], req: RouteRequest,
+              like: WorkerHandle | None = None) -> WorkerHandle:
+        started = time.perf_counter()
         candidates = [w for w in self.pool.healthy(role) if w.worker_id not in tried and compatible(w, like)]
-        chosen = policy([w.load() for w in candidates])
+        chosen = policy([w.load() for w in candidates], req)
+        self.metrics.decision_seconds.labels(role).observe(time.perf_counter() - started)
         if chosen is None:
             raise NoWorkerError(f"no {role} worker is available" if not tried else f"every {role} worker failed")
         tried.add(chosen)
@@ -178,21 +229,24 @@ class Dispatcher:
 
     # ---- disaggregated ----------------------------------------------------------------------
 
-    async def _disaggregated(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        decode, reservation = await self._reserve(request)
-        route = prefill_route(PrefillInputs(len(request.prompt_token_ids), True, reservation is not None,
-                                            reservation.cached_tokens if reservation else 0), self.disaggregation)
-        self.metrics.prefill_decisions.labels(route).inc()
+    async def _disaggregated(self, request: pb.GenerateRequest, route: _Route) -> AsyncIterator[pb.GenerateResponse]:
+        decode, reservation = await self._reserve(request, route.req)
         if reservation is None:  # no decode worker has room to reserve: queue colocated instead
-            async for msg in self._colocated(request):
+            self.metrics.prefill_decisions.labels("local_no_room").inc()
+            async for msg in self._colocated(request, route):
                 yield msg
             return
+        where = prefill_route(self._prefill_inputs(request, route.req, decode, reservation), self.disaggregation)
+        self.metrics.prefill_decisions.labels(where).inc()
         resume = pb.GenerateRequest()
         resume.CopyFrom(request)
         resume.kv_handle = reservation.handle
-        first = await self._prefill(request, reservation, decode) if route == "remote" else None
+        first = await self._prefill(request, reservation, decode, route) if where == "remote" else None
+        uncached = 0
         if first is None:
             resume.prefill_here = True
+            route.predicted_cached = reservation.cached_tokens
+            uncached = len(request.prompt_token_ids) - reservation.cached_tokens
         else:
             if first.finished:  # the first token was the last (a stop, max_tokens 1): nothing to decode
                 await self._release(decode, reservation.handle)
@@ -202,17 +256,27 @@ class Dispatcher:
             resume.output_token_ids.extend(first.token_ids)
             resume.emitted_text_len = len(first.text)
         try:
-            async for msg in self._generate(decode, resume):
+            async for msg in self._generate(decode, resume, uncached):
                 yield msg
         except _Retry as e:
             raise WorkerLostError(f"decode worker {decode.worker_id} failed: {e}") from e
 
-    async def _reserve(self, request: pb.GenerateRequest) -> tuple[WorkerHandle | None, pb.ReserveResponse | None]:
+    def _prefill_inputs(self, request: pb.GenerateRequest, req: RouteRequest, decode: WorkerHandle,
+                        reservation: pb.ReserveResponse) -> PrefillInputs:
+        """The second decision's inputs: the decode worker's real hit, and both ways in predicted seconds."""
+        m, prompt = self.cost_model, len(request.prompt_token_ids)
+        uncached = prompt - reservation.cached_tokens
+        local_s = cost.local_prefill_s(decode.load(), uncached, m)
+        remote_s = None if req.remote_s is None else cost.via_remote_s(req.remote_s, uncached, m)
+        return PrefillInputs(prompt, True, True, reservation.cached_tokens, local_s=local_s, remote_s=remote_s)
+
+    async def _reserve(self, request: pb.GenerateRequest,
+                       req: RouteRequest) -> tuple[WorkerHandle | None, pb.ReserveResponse | None]:
         tried: set[str] = set()
         await self._await_decode_worker()
         while True:
             try:
-                worker = self._pick("decode", self.decode_policy, tried)
+                worker = self._pick("decode", self.decode_policy, tried, req)
             except NoWorkerError:
                 if not tried:
                     raise
@@ -229,17 +293,18 @@ class Dispatcher:
                     raise err from e
 
     async def _prefill(self, request: pb.GenerateRequest, reservation: pb.ReserveResponse,
-                       decode: WorkerHandle) -> pb.GenerateResponse | None:
+                       decode: WorkerHandle, route: _Route) -> pb.GenerateResponse | None:
         """The first token from a prefill worker (trying each in turn), or None if all fail."""
         tried: set[str] = set()
         while True:
             try:
-                worker = self._pick("prefill", self.prefill_policy, tried, like=decode)
+                worker = self._pick("prefill", self.prefill_policy, tried, route.req, like=decode)
             except NoWorkerError:
                 self.metrics.faults.labels("no_prefill_worker").inc()
                 log.warning("request %s: no prefill worker could take it; the decode worker prefills",
                             request.request_id)
                 return None
+            route.predicted_cached = _predicted(route.req, worker)
             worker.inflight += 1
             worker.inflight_tokens += len(request.prompt_token_ids)
             call = worker.stub.Prefill(pb.PrefillRequest(
@@ -301,6 +366,11 @@ def _continuation(request: pb.GenerateRequest, request_id: str, generated: list[
     follow.output_token_ids.extend(generated)
     follow.emitted_text_len = emitted
     return follow
+
+
+def _predicted(req: RouteRequest, worker: WorkerHandle) -> int:
+    """The prefix hit predicted on ``worker`` (an engine computes at least the prompt's last token)."""
+    return max(min(req.cached.get(worker.worker_id, 0), req.prompt_tokens - 1), 0)
 
 
 def compatible(worker: WorkerHandle, like: WorkerHandle | None) -> bool:

@@ -15,6 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
 
+# Routing decisions take microseconds: 1 us to 100 ms
+DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2, 0.1)
+
 
 class RouterMetrics:
     def __init__(self) -> None:
@@ -40,8 +43,16 @@ class RouterMetrics:
         self.retries = Counter("pdserve_router_retries", "Requests moved to another worker before streaming",
                                registry=r)
         self.prefill_decisions = Counter("pdserve_router_prefill_decisions", "Where prompts were prefilled: "
-                                         "remote, or local_short / local_cached / local_no_prefill_worker / "
-                                         "local_no_room", ["outcome"], registry=r)
+                                         "remote, or local_short / local_cached / local_faster / "
+                                         "local_no_prefill_worker / local_no_room / local_prompt_logprobs",
+                                         ["outcome"], registry=r)
+        self.cached_tokens = Counter("pdserve_router_cached_tokens", "Prompt tokens found in the prefix cache "
+                                     "where each request was prefilled: predicted by the prefix index when routed, "
+                                     "and actual (what that worker reported reusing)", ["source"], registry=r)
+        self.decision_seconds = Histogram("pdserve_router_routing_decision_seconds", "Time of a routing step: "
+                                          "prompt_keys (hashing the prompt), lookup (the prefix index), decode / "
+                                          "prefill (a policy choosing among that pool)", ["step"],
+                                          buckets=DECISION_BUCKETS, registry=r)
         self.faults = Counter("pdserve_router_faults", "Worker faults handled, by reason (prefill_worker_failed, "
                               "prefill_refused, no_prefill_worker, decode_worker_lost)", ["reason"], registry=r)
         self.migrations = Counter("pdserve_router_migrations", "Requests continued on another decode worker after "

@@ -1,9 +1,18 @@
-"""Routing policies: pure functions from a snapshot of the workers to a choice. No I/O here."""
+"""Routing policies: pure functions from a snapshot of the workers to a choice. No I/O here.
+
+A policy is ``(loads, request) -> worker_id``; ``request`` (``cost.RouteRequest``) carries the
+prompt's length and its predicted prefix hits, which only ``cache_aware`` reads (router/cost.py).
+"""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.router.cost import CostModel, RouteRequest
 
 
 @dataclass(frozen=True)
@@ -16,10 +25,11 @@ class WorkerLoad:
     num_waiting: int
     kv_usage: float
     waiting_prompt_tokens: int = 0
-    inflight_tokens: int = 0  # prompt tokens of this router's requests in flight there
+    inflight_tokens: int = 0  # prompt tokens of this router's requests in flight there, not yet computed
+    generation_tokens_per_s: float = 0.0  # from its snapshot: with num_running, its decode step time
 
 
-def least_loaded(workers: Sequence[WorkerLoad]) -> str | None:
+def least_loaded(workers: Sequence[WorkerLoad], request: RouteRequest | None = None) -> str | None:
     """The worker with the fewest requests (the larger of our count and its own), then the
     emptiest KV cache, then the name (so ties break the same way in every router)."""
     if not workers:
@@ -31,7 +41,7 @@ def least_loaded(workers: Sequence[WorkerLoad]) -> str | None:
     return min(workers, key=key).worker_id
 
 
-def least_queued_prefill(workers: Sequence[WorkerLoad]) -> str | None:
+def least_queued_prefill(workers: Sequence[WorkerLoad], request: RouteRequest | None = None) -> str | None:
     """The prefill worker with the fewest prompt tokens ahead (the larger of our count and its
     own queue), then the fewest requests."""
     if not workers:
@@ -57,6 +67,10 @@ class PrefillInputs:
     reserved: bool | None = None  # None: no reservation asked for yet; False: no decode worker had room
     cached_tokens: int = 0  # with a reservation: leading prompt tokens cached on that decode worker
     prompt_logprobs: bool = False  # the prompt's logprobs are asked for
+    # With a reservation, the predicted seconds of each way (router/cost.py ``local_prefill_s`` on
+    # that decode worker, ``via_remote_s`` through the cheapest prefill worker); None: not compared
+    local_s: float | None = None
+    remote_s: float | None = None
 
 
 def prefill_route(x: PrefillInputs, cfg: DisaggregationConfig) -> str:
@@ -64,7 +78,9 @@ def prefill_route(x: PrefillInputs, cfg: DisaggregationConfig) -> str:
     worker for a reservation first, then decide again with its answer), or why it is prefilled
     on the decode worker: ``local_no_prefill_worker``, ``local_short``, ``local_prompt_logprobs``
     (one worker computes every prompt position, without prefix hits), ``local_no_room``,
-    ``local_cached``. Every outcome but ``reserve`` is a label of the decisions metric."""
+    ``local_cached``, ``local_faster`` (the prefill pool's queue, its compute and the transfer
+    take longer than prefilling here, counting the delay to this worker's batch). Every outcome
+    but ``reserve`` is a label of the decisions metric."""
     if not x.prefill_available:
         return "local_no_prefill_worker"
     if x.prompt_logprobs:
@@ -77,14 +93,16 @@ def prefill_route(x: PrefillInputs, cfg: DisaggregationConfig) -> str:
         return "local_no_room"
     if x.prompt_tokens - x.cached_tokens < cfg.min_uncached_tokens:
         return "local_cached"
+    if x.local_s is not None and x.remote_s is not None and x.local_s < x.remote_s:
+        return "local_faster"
     return "remote"
 
 
-def round_robin_factory() -> Callable[[Sequence[WorkerLoad]], str | None]:
+def round_robin_factory() -> Policy:
     """A policy that takes turns (its only state is the turn counter)."""
     turn = 0
 
-    def pick(workers: Sequence[WorkerLoad]) -> str | None:
+    def pick(workers: Sequence[WorkerLoad], request: RouteRequest | None = None) -> str | None:
         nonlocal turn
         if not workers:
             return None
@@ -95,9 +113,37 @@ def round_robin_factory() -> Callable[[Sequence[WorkerLoad]], str | None]:
     return pick
 
 
-Policy = Callable[[Sequence[WorkerLoad]], "str | None"]
+def random_factory(rng: random.Random | None = None) -> Policy:
+    """A policy that picks uniformly at random (the baseline every other policy should beat)."""
+    rng = rng or random.Random()
 
-POLICIES: dict[str, Callable[[], Policy]] = {
-    "least_loaded": lambda: least_loaded,
-    "round_robin": round_robin_factory,
+    def pick(workers: Sequence[WorkerLoad], request: RouteRequest | None = None) -> str | None:
+        return rng.choice(sorted(w.worker_id for w in workers)) if workers else None
+
+    return pick
+
+
+def cache_aware_factory(model: CostModel, rng: random.Random | None = None, role: str = "decode") -> Policy:
+    """Least predicted seconds (router/cost.py): ``decode_cost`` for a decode worker,
+    ``remote_prefill_s`` (its queue and the part of the prompt it has not cached) for a prefill worker."""
+    from pdserve.router import cost  # cost.py imports WorkerLoad from here
+
+    rng = rng or random.Random()
+    of = cost.decode_cost if role == "decode" else cost.remote_prefill_s
+
+    def pick(workers: Sequence[WorkerLoad], request: RouteRequest | None = None) -> str | None:
+        req = request or cost.RouteRequest(0)
+        return cost.choose({w.worker_id: of(w, req, model) for w in workers}, model.temperature, rng)
+
+    return pick
+
+
+Policy = Callable[[Sequence[WorkerLoad], "RouteRequest | None"], "str | None"]
+
+# name -> (decode policy, prefill policy), built from the cost model
+POLICIES: dict[str, Callable[[CostModel], tuple[Policy, Policy]]] = {
+    "cache_aware": lambda m: (cache_aware_factory(m), cache_aware_factory(m, role="prefill")),
+    "least_loaded": lambda m: (least_loaded, least_queued_prefill),
+    "round_robin": lambda m: (round_robin_factory(), least_queued_prefill),
+    "random": lambda m: (random_factory(), random_factory()),
 }

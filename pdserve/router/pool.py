@@ -40,7 +40,7 @@ class WorkerHandle:
     healthy: bool = False
     failures: int = 0
     inflight: int = 0  # requests this router has in flight there
-    inflight_tokens: int = 0  # their prompt tokens (prefill workers)
+    inflight_tokens: int = 0  # their prompt tokens still to compute (until each one's first message)
     down: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -54,7 +54,7 @@ class WorkerHandle:
     def load(self) -> WorkerLoad:
         s = self.snapshot or pb.LoadSnapshot()
         return WorkerLoad(self.worker_id, self.inflight, s.num_running, s.num_waiting, s.kv_usage,
-                          s.waiting_prompt_tokens, self.inflight_tokens)
+                          s.waiting_prompt_tokens, self.inflight_tokens, s.generation_tokens_per_s)
 
 
 class WorkerPool:

@@ -62,6 +62,13 @@ def sse(data: dict) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def cached_prompt_tokens(per_choice: list[int | None], n: int) -> int:
+    """``usage.prompt_tokens_details.cached_tokens``: like ``prompt_tokens``, each prompt counts once
+    (choices ``p * n ... p * n + n - 1`` are its samples), with the largest hit any of its samples had."""
+    hits = [h or 0 for h in per_choice]
+    return sum(max(hits[p:p + n]) for p in range(0, len(hits), n))
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": prompt_tokens,

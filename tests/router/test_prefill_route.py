@@ -20,6 +20,16 @@ CFG = DisaggregationConfig(min_prompt_tokens=128, min_uncached_tokens=64)
     (PrefillInputs(200, prefill_available=True, reserved=True, cached_tokens=137), "local_cached"),
     (PrefillInputs(200, prefill_available=True, reserved=True, cached_tokens=136), "remote"),
     (PrefillInputs(200, prefill_available=True, reserved=True, cached_tokens=0), "remote"),
+    # With both ways in predicted seconds (router/cost.py): the cheaper one; a tie stays remote
+    (PrefillInputs(200, True, reserved=True, local_s=0.3, remote_s=0.5), "local_faster"),
+    (PrefillInputs(200, True, reserved=True, local_s=0.5, remote_s=0.3), "remote"),
+    (PrefillInputs(200, True, reserved=True, local_s=0.5, remote_s=0.5), "remote"),
+    (PrefillInputs(200, True, reserved=True, local_s=0.3), "remote"),  # no prefill cost: not compared
+    # The rules before the costs keep their meaning whatever the costs say
+    (PrefillInputs(127, True, reserved=True, local_s=9.0, remote_s=0.1), "local_short"),
+    (PrefillInputs(200, True, reserved=True, cached_tokens=137, local_s=9.0, remote_s=0.1), "local_cached"),
+    (PrefillInputs(200, True, reserved=False, local_s=9.0, remote_s=0.1), "local_no_room"),
+    (PrefillInputs(200, False, reserved=True, local_s=9.0, remote_s=0.1), "local_no_prefill_worker"),
 ])
 def test_prefill_route_outcomes(inputs, outcome):
     assert prefill_route(inputs, CFG) == outcome

@@ -1,0 +1,119 @@
+"""Routing cost in predicted seconds: pure functions of the workers' loads, a request's predicted
+prefix hits (the global prefix index) and a latency model. No I/O here; the same functions serve
+the live router and anything that replays its decisions.
+
+For a request of P prompt tokens, with c_w of them predicted cached on worker w:
+
+    uncached(w)    = P - c_w
+    queue(w)       = max(its queued prompt tokens, this router's in flight there) / prefill_tokens_per_s
+    step(w)        = its decode step: running / generation tokens/s (its snapshot), else the model's
+                     decode_step_s + decode_step_s_per_seq x batch
+    local(d)       = queue(d) + t + interference x t x (batch(d) + 1),    t = uncached(d) / prefill_tokens_per_s
+                     (a prompt prefilled on a decode worker holds the decode steps of its batch, and of
+                     the requests joining it meanwhile, counted as one more, for t)
+    remote(p)      = queue(p) + uncached(p) / prefill_tokens_per_s         (a prefill worker)
+    via_remote(d)  = min_p remote(p) + transfer_s_per_token x uncached(d) + remote_overhead_s
+    decode(d)      = decode_horizon_tokens x (step(d) + decode_step_s_per_seq x (batch(d) + 1))
+                     (its own tokens, and the slowdown it adds to every sequence in the batch)
+    cost(d)        = decode(d) + min(local(d), via_remote(d))    (via_remote only with a prefill worker)
+
+The least cost wins; equal costs break at random (or, with a temperature, a softmax over the
+costs picks, as Dynamo's router does).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.router.policy import WorkerLoad
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The latency model's coefficients (defaults: SmolLM2-135M on 2 cores of this machine's CPU,
+    benchmarks/engine_throughput.py; a profile of another model or machine overrides them)."""
+
+    prefill_tokens_per_s: float = 500.0  # prompt tokens a worker computes per second
+    decode_step_s: float = 0.02  # one decode step with one sequence
+    decode_step_s_per_seq: float = 0.002  # what each more sequence in the batch adds to a step
+    transfer_s_per_token: float = 5e-5  # shipping one token's KV from a prefill to a decode worker
+    remote_overhead_s: float = 0.005  # the extra calls of a remote prefill (reserve, prefill, resume)
+    decode_horizon_tokens: int = 16  # output tokens over which the decode slowdown is counted
+    interference: float = 2.0  # weight of a local prefill's delay to the decode batch it holds
+    temperature: float = 0.0  # 0: least cost (ties at random); > 0: softmax over -cost / temperature
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a routing decision knows of the request, computed once per request."""
+
+    prompt_tokens: int
+    cached: Mapping[str, int] = field(default_factory=dict)  # worker -> leading tokens predicted cached there
+    remote_s: float | None = None  # the cheapest remote prefill (min_p remote(p)); None: no prefill worker
+
+
+def batch(w: WorkerLoad) -> int:
+    """Sequences on the worker: the larger of this router's count and the worker's own."""
+    return max(w.inflight, w.num_running + w.num_waiting)
+
+
+def uncached(w: WorkerLoad, req: RouteRequest) -> int:
+    return max(req.prompt_tokens - req.cached.get(w.worker_id, 0), 0)
+
+
+def queue_s(w: WorkerLoad, m: CostModel) -> float:
+    return max(w.waiting_prompt_tokens, w.inflight_tokens) / m.prefill_tokens_per_s
+
+
+def step_s(w: WorkerLoad, m: CostModel) -> float:
+    """The worker's decode step now: measured from its snapshot when it is decoding, else modelled."""
+    if w.num_running > 0 and w.generation_tokens_per_s > 0:
+        measured = w.num_running / w.generation_tokens_per_s
+        return measured + m.decode_step_s_per_seq * max(batch(w) - w.num_running, 0)
+    return m.decode_step_s + m.decode_step_s_per_seq * batch(w)
+
+
+def local_prefill_s(w: WorkerLoad, uncached_tokens: int, m: CostModel) -> float:
+    t = uncached_tokens / m.prefill_tokens_per_s
+    return queue_s(w, m) + t + m.interference * t * (batch(w) + 1)
+
+
+def remote_prefill_s(p: WorkerLoad, req: RouteRequest, m: CostModel) -> float:
+    return queue_s(p, m) + uncached(p, req) / m.prefill_tokens_per_s
+
+
+def via_remote_s(remote_s: float, uncached_on_decode: int, m: CostModel) -> float:
+    return remote_s + m.transfer_s_per_token * uncached_on_decode + m.remote_overhead_s
+
+
+def decode_s(w: WorkerLoad, m: CostModel) -> float:
+    return m.decode_horizon_tokens * (step_s(w, m) + m.decode_step_s_per_seq * (batch(w) + 1))
+
+
+def decode_cost(w: WorkerLoad, req: RouteRequest, m: CostModel) -> float:
+    """Predicted seconds of sending the request to decode worker ``w``."""
+    u = uncached(w, req)
+    prefill = local_prefill_s(w, u, m)
+    if req.remote_s is not None:
+        prefill = min(prefill, via_remote_s(req.remote_s, u, m))
+    return decode_s(w, m) + prefill
+
+
+def cheapest_remote_s(prefills: Sequence[WorkerLoad], req: RouteRequest, m: CostModel) -> float | None:
+    return min((remote_prefill_s(p, req, m) for p in prefills), default=None)
+
+
+def choose(costs: Mapping[str, float], temperature: float, rng: random.Random) -> str | None:
+    """The least cost (equal ones at random); with a temperature, a softmax draw over the costs."""
+    if not costs:
+        return None
+    low = min(costs.values())
+    if temperature <= 0:
+        tied = [k for k, c in costs.items() if c <= low + 1e-12]
+        return tied[0] if len(tied) == 1 else rng.choice(sorted(tied))
+    names = sorted(costs)
+    weights = [math.exp(-(costs[k] - low) / temperature) for k in names]
+    return rng.choices(names, weights)[0]
