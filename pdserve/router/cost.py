@@ -6,8 +6,8 @@ For a request of P prompt tokens, with c_w of them predicted cached on worker w:
 
     uncached(w)    = P - c_w
     queue(w)       = max(its queued prompt tokens, this router's in flight there) / prefill_tokens_per_s
-    step(w)        = its decode step: running / generation tokens/s (its snapshot), else the model's
-                     decode_step_s + decode_step_s_per_seq x batch
+    step(w)        = its decode step: the model's decode_step_s + decode_step_s_per_seq x batch, or
+                     longer where its snapshot measured longer (running / generation tokens/s)
     local(d)       = queue(d) + t + interference x t x (batch(d) + 1),    t = uncached(d) / prefill_tokens_per_s
                      (a prompt prefilled on a decode worker holds the decode steps of its batch, and of
                      the requests joining it meanwhile, counted as one more, for t)
@@ -69,11 +69,14 @@ def queue_s(w: WorkerLoad, m: CostModel) -> float:
 
 
 def step_s(w: WorkerLoad, m: CostModel) -> float:
-    """The worker's decode step now: measured from its snapshot when it is decoding, else modelled."""
+    """The worker's decode step now: the model's, or slower where the worker's snapshot measured
+    slower (running / generation tokens/s). Never faster: an idle worker has no measurement, and a
+    busy one must not look cheaper than an idle one because it was measured."""
+    modelled = m.decode_step_s + m.decode_step_s_per_seq * batch(w)
     if w.num_running > 0 and w.generation_tokens_per_s > 0:
         measured = w.num_running / w.generation_tokens_per_s
-        return measured + m.decode_step_s_per_seq * max(batch(w) - w.num_running, 0)
-    return m.decode_step_s + m.decode_step_s_per_seq * batch(w)
+        return max(modelled, measured + m.decode_step_s_per_seq * max(batch(w) - w.num_running, 0))
+    return modelled
 
 
 def local_prefill_s(w: WorkerLoad, uncached_tokens: int, m: CostModel) -> float:

@@ -41,6 +41,8 @@ def pick(policy: str, workers, req: RouteRequest, role: str = "decode") -> str:
     ([load("a", running=1, waiting_tokens=2000), load("b", running=1)], RouteRequest(500), "b"),
     # a worker that decodes slowly (its snapshot: 2 running at 20 tokens/s, a 100 ms step) loses
     ([load("a", running=2, tps=20.0), load("b", running=2, tps=80.0)], RouteRequest(50), "b"),
+    # ... but a busy worker measured faster than the model never beats an idle one
+    ([load("a", running=1, tps=1000.0), load("b")], RouteRequest(50), "b"),
     # with a prefill worker (remote_s), a hit on the decode worker matters less: only the transfer
     ([load("a", running=1), load("b", running=2)], RouteRequest(1000, {"b": 960}, remote_s=0.1), "a"),
 ])
