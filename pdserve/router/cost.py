@@ -97,12 +97,24 @@ def decode_s(w: WorkerLoad, m: CostModel) -> float:
 
 
 def decode_cost(w: WorkerLoad, req: RouteRequest, m: CostModel) -> float:
-    """Predicted seconds of sending the request to decode worker ``w``."""
-    u = uncached(w, req)
-    prefill = local_prefill_s(w, u, m)
+    """Predicted seconds of sending the request to decode worker ``w``: ``decode_s`` + the cheaper of
+    ``local_prefill_s`` and ``via_remote_s``, written out in one body (a policy evaluates it for every
+    worker of the pool on each request; tests/router/test_cost.py checks it against those terms)."""
+    b = w.num_running + w.num_waiting
+    if w.inflight > b:
+        b = w.inflight
+    step = m.decode_step_s + m.decode_step_s_per_seq * b
+    if w.num_running > 0 and w.generation_tokens_per_s > 0:
+        measured = w.num_running / w.generation_tokens_per_s + m.decode_step_s_per_seq * (b - w.num_running)
+        step = max(step, measured)
+    u = req.prompt_tokens - req.cached.get(w.worker_id, 0)
+    u = u if u > 0 else 0
+    t = u / m.prefill_tokens_per_s
+    queued = w.waiting_prompt_tokens if w.waiting_prompt_tokens > w.inflight_tokens else w.inflight_tokens
+    prefill = queued / m.prefill_tokens_per_s + t + m.interference * t * (b + 1)
     if req.remote_s is not None:
-        prefill = min(prefill, via_remote_s(req.remote_s, u, m))
-    return decode_s(w, m) + prefill
+        prefill = min(prefill, req.remote_s + m.transfer_s_per_token * u + m.remote_overhead_s)
+    return m.decode_horizon_tokens * (step + m.decode_step_s_per_seq * (b + 1)) + prefill
 
 
 def cheapest_remote_s(prefills: Sequence[WorkerLoad], req: RouteRequest, m: CostModel) -> float | None:
