@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.router.policy import WorkerLoad
+
+_TIE = 1e-12  # seconds: costs this close are equal
 
 
 @dataclass(frozen=True)
@@ -121,14 +123,26 @@ def cheapest_remote_s(prefills: Sequence[WorkerLoad], req: RouteRequest, m: Cost
     return min((remote_prefill_s(p, req, m) for p in prefills), default=None)
 
 
+def least(costs: Iterable[tuple[str, float]], rng: random.Random) -> str | None:
+    """The least cost, equal ones at random: ``choose`` at temperature 0, in one pass."""
+    best, tied = math.inf, []
+    for name, c in costs:
+        if c < best - _TIE:
+            best, tied = c, [name]
+        elif c <= best + _TIE:
+            tied.append(name)
+    if len(tied) <= 1:
+        return tied[0] if tied else None
+    return rng.choice(sorted(tied))
+
+
 def choose(costs: Mapping[str, float], temperature: float, rng: random.Random) -> str | None:
     """The least cost (equal ones at random); with a temperature, a softmax draw over the costs."""
     if not costs:
         return None
-    low = min(costs.values())
     if temperature <= 0:
-        tied = [k for k, c in costs.items() if c <= low + 1e-12]
-        return tied[0] if len(tied) == 1 else rng.choice(sorted(tied))
+        return least(costs.items(), rng)
+    low = min(costs.values())
     names = sorted(costs)
     weights = [math.exp(-(costs[k] - low) / temperature) for k in names]
     return rng.choices(names, weights)[0]

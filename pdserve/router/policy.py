@@ -133,7 +133,9 @@ def cache_aware_factory(model: CostModel, rng: random.Random | None = None, role
 
     def pick(workers: Sequence[WorkerLoad], request: RouteRequest | None = None) -> str | None:
         req = request or cost.RouteRequest(0)
-        return cost.choose({w.worker_id: of(w, req, model) for w in workers}, model.temperature, rng)
+        if model.temperature > 0:
+            return cost.choose({w.worker_id: of(w, req, model) for w in workers}, model.temperature, rng)
+        return cost.least(((w.worker_id, of(w, req, model)) for w in workers), rng)
 
     return pick
 
