@@ -142,7 +142,7 @@ class ServeConfig:
                               f"least kv_transfer.lease_ms ({self.kv_transfer.lease_ms})")
         for key in ("disagg_min_prompt_tokens", "disagg_min_uncached_tokens", "cost_decode_step_s",
                     "cost_decode_step_s_per_seq", "cost_transfer_s_per_token", "cost_remote_overhead_s",
-                    "cost_decode_horizon_tokens", "cost_interference", "policy_temperature"):
+                    "cost_decode_horizon_tokens", "cost_interference", "policy_temperature", "recent_routes_s"):
             if getattr(self.router, key) < 0:
                 raise ConfigError(f"router.{key}: must not be negative, got {getattr(self.router, key)}")
         if self.router.cost_prefill_tokens_per_s <= 0:

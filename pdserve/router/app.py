@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import os
 import time
 import uuid
@@ -55,6 +56,7 @@ from pdserve.router.protocol import (
     parse_tokenize,
     validation_error,
 )
+from pdserve.router.recent_routes import RecentRoutes
 from pdserve.router.responses import SSE_DONE, Choice, Formatter, cached_prompt_tokens, usage
 from pdserve.router.tokenization import detokenize, tokenize
 from pdserve.router.worker_client import NoWorkerError, WorkerLostError, sampling_to_proto
@@ -81,6 +83,10 @@ class RouterConfig:
     cost_decode_horizon_tokens: int = doc(16, "cost model: output tokens over which a decode slowdown is counted")
     cost_interference: float = doc(2.0, "cost model: weight of a local prefill's delay to its decode batch "
                                         "(higher: more remote prefill)")
+    recent_routes_s: float = doc(5.0, "cache_aware: for this long, a prompt's blocks count as held where this router "
+                                      "sent it (the workers' KV events reach the index a heartbeat or more later); "
+                                      "without a state store, the only prefix knowledge, kept until newer routes "
+                                      "push it out; 0: off")
     policy_temperature: float = doc(0.0, "cache_aware: 0 picks the least cost (ties at random); above 0, a softmax "
                                          "over -cost / temperature spreads requests over near-equal workers")
     max_concurrent_requests: int = doc(512, "admission limit: past this many requests in flight, answer 429")
@@ -119,16 +125,21 @@ class Router:
         self.model_spec = model_spec
         self.metrics = RouterMetrics()
         # The global prefix index, fed by the workers' KV events through the state store (none
-        # without one: --worker addresses alone publish nowhere, and cache_aware routes by load).
+        # without one: --worker addresses alone publish nowhere, and cache_aware knows only where
+        # it sent recent prompts).
         self.prefix_index = PrefixIndex()
         self.index_feed = (PrefixIndexFeed(self.prefix_index, discovery.store, pool, self.metrics)
                            if discovery is not None else None)
         disaggregation = DisaggregationConfig(config.disagg_min_prompt_tokens, config.disagg_min_uncached_tokens)
         decode_policy, prefill_policy = POLICIES[config.policy](config.cost_model())
+        # Without a state store no event ever confirms or corrects a route: remember them until
+        # newer ones push them out (RecentRoutes.max_keys blocks).
+        ttl_s = config.recent_routes_s if discovery is not None else math.inf
+        recent = RecentRoutes(ttl_s) if config.policy == "cache_aware" and config.recent_routes_s > 0 else None
         self.dispatcher = Dispatcher(pool, decode_policy, prefill_policy, disaggregation,
                                      self.metrics, waker=waker, wait_for_worker_s=config.startup_wait_s,
                                      stream_idle_timeout_s=config.stream_idle_timeout_s, index=self.prefix_index,
-                                     cost_model=config.cost_model())
+                                     cost_model=config.cost_model(), recent=recent)
         self.inflight = 0
         self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                             thread_name_prefix="router-prepare")

@@ -54,6 +54,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import DisaggregationConfig, Policy, PrefillInputs, prefill_route
 from pdserve.router.pool import WorkerHandle, WorkerPool
 from pdserve.router.prefix_index import PrefixIndex, prompt_keys
+from pdserve.router.recent_routes import RecentRoutes
 from pdserve.router.worker_client import (
     WORKER_FAILURES,
     NoWorkerError,
@@ -72,6 +73,7 @@ class _Route:
     """One request's routing: what the decisions know of it, and the hit predicted where it is prefilled."""
 
     req: RouteRequest
+    keys: list[int]  # the prompt's prefix-index keys (empty: not hashed)
     predicted_cached: int = 0
 
 
@@ -79,9 +81,11 @@ class Dispatcher:
     def __init__(self, pool: WorkerPool, decode_policy: Policy, prefill_policy: Policy,
                  disaggregation: DisaggregationConfig, metrics: RouterMetrics, max_migrations: int = 3,
                  waker=None, wait_for_worker_s: float = 0.0, stream_idle_timeout_s: float = 60.0,
-                 index: PrefixIndex | None = None, cost_model: CostModel = CostModel()):
+                 index: PrefixIndex | None = None, cost_model: CostModel = CostModel(),
+                 recent: RecentRoutes | None = None):
         self.pool = pool
         self.index = index  # the global prefix index (empty where no worker's KV events reach it)
+        self.recent = recent  # where this router sent recent prompts (ahead of the index's events)
         self.cost_model = cost_model
         self.wait_for_worker_s = wait_for_worker_s  # a request finding no decode worker waits this long for one
         self.stream_idle_timeout_s = stream_idle_timeout_s  # a stream silent this long is lost: migrate
@@ -97,7 +101,7 @@ class Dispatcher:
     async def run(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         generated: list[int] = []
         emitted = 0  # characters of text sent to the client
-        route = _Route(self._route_request(request))
+        route = self._route_request(request)
         stream = self._first_leg(request, route)
         for migration in range(self.max_migrations + 1):
             try:
@@ -119,22 +123,29 @@ class Dispatcher:
                                                        generated, emitted), route)
                 self.metrics.migrations.inc()
 
-    def _route_request(self, request: pb.GenerateRequest) -> RouteRequest:
-        """The request as the policies see it: each worker's predicted prefix hit (from the index;
-        the prompt hashed once, and not at all while no worker is indexed), the cheapest remote prefill."""
+    def _route_request(self, request: pb.GenerateRequest) -> _Route:
+        """The request as the policies see it: each worker's predicted prefix hit (the index's, or
+        this router's recent routes', the larger; the prompt hashed once, and not at all with
+        neither), the cheapest remote prefill."""
         prompt = request.prompt_token_ids
         cached: dict[str, int] = {}
+        keys: list[int] = []
         info = self.pool.model_info()
-        if self.index is not None and self.index.workers and info is not None and info.block_size > 0:
+        indexed = self.index is not None and self.index.workers
+        if (indexed or self.recent is not None) and info is not None and info.block_size > 0:
             started = time.perf_counter()
             keys = prompt_keys(prompt, info.model_fingerprint, info.block_size, request.cache_salt or None)
             hashed = time.perf_counter()
-            cached = {w: blocks * info.block_size for w, blocks in self.index.lookup(keys).items()}
+            matched = self.index.lookup(keys) if indexed else {}
+            if self.recent is not None:
+                for w, blocks in self.recent.lookup(keys, time.monotonic()).items():
+                    matched[w] = max(blocks, matched.get(w, 0))
+            cached = {w: blocks * info.block_size for w, blocks in matched.items()}
             self.metrics.decision_seconds.labels("prompt_keys").observe(hashed - started)
             self.metrics.decision_seconds.labels("lookup").observe(time.perf_counter() - hashed)
         req = RouteRequest(len(prompt), cached)
         prefills = [w.load() for w in self.pool.healthy("prefill")]
-        return RouteRequest(len(prompt), cached, cost.cheapest_remote_s(prefills, req, self.cost_model))
+        return _Route(RouteRequest(len(prompt), cached, cost.cheapest_remote_s(prefills, req, self.cost_model)), keys)
 
     def _first_leg(self, request: pb.GenerateRequest, route: _Route) -> AsyncIterator[pb.GenerateResponse]:
         prompt = len(request.prompt_token_ids)
@@ -155,7 +166,7 @@ class Dispatcher:
         tried: set[str] = set()
         await self._await_decode_worker()
         while True:
-            worker = self._pick("decode", self.decode_policy, tried, route.req)
+            worker = self._pick("decode", self.decode_policy, tried, route)
             started = False
             route.predicted_cached = _predicted(route.req, worker)
             try:
@@ -216,21 +227,23 @@ class Dispatcher:
             self.pool.mark_down(worker, f"{rpc} failed: {e.details()}")
         return _Retry(f"{rpc}: {e.code().name}")
 
-    def _pick(self, role: str, policy: Policy, tried: set[str], req: RouteRequest,
+    def _pick(self, role: str, policy: Policy, tried: set[str], route: _Route,
               like: WorkerHandle | None = None) -> WorkerHandle:
         started = time.perf_counter()
         candidates = [w for w in self.pool.healthy(role) if w.worker_id not in tried and compatible(w, like)]
-        chosen = policy([w.load() for w in candidates], req)
+        chosen = policy([w.load() for w in candidates], route.req)
         self.metrics.decision_seconds.labels(role).observe(time.perf_counter() - started)
         if chosen is None:
             raise NoWorkerError(f"no {role} worker is available" if not tried else f"every {role} worker failed")
         tried.add(chosen)
+        if self.recent is not None and route.keys:  # its blocks will be there (the decode worker's too, by transfer)
+            self.recent.add(route.keys, chosen, time.monotonic())
         return self.pool.by_id(chosen)
 
     # ---- disaggregated ----------------------------------------------------------------------
 
     async def _disaggregated(self, request: pb.GenerateRequest, route: _Route) -> AsyncIterator[pb.GenerateResponse]:
-        decode, reservation = await self._reserve(request, route.req)
+        decode, reservation = await self._reserve(request, route)
         if reservation is None:  # no decode worker has room to reserve: queue colocated instead
             self.metrics.prefill_decisions.labels("local_no_room").inc()
             async for msg in self._colocated(request, route):
@@ -271,12 +284,12 @@ class Dispatcher:
         return PrefillInputs(prompt, True, True, reservation.cached_tokens, local_s=local_s, remote_s=remote_s)
 
     async def _reserve(self, request: pb.GenerateRequest,
-                       req: RouteRequest) -> tuple[WorkerHandle | None, pb.ReserveResponse | None]:
+                       route: _Route) -> tuple[WorkerHandle | None, pb.ReserveResponse | None]:
         tried: set[str] = set()
         await self._await_decode_worker()
         while True:
             try:
-                worker = self._pick("decode", self.decode_policy, tried, req)
+                worker = self._pick("decode", self.decode_policy, tried, route)
             except NoWorkerError:
                 if not tried:
                     raise
@@ -298,7 +311,7 @@ class Dispatcher:
         tried: set[str] = set()
         while True:
             try:
-                worker = self._pick("prefill", self.prefill_policy, tried, route.req, like=decode)
+                worker = self._pick("prefill", self.prefill_policy, tried, route, like=decode)
             except NoWorkerError:
                 self.metrics.faults.labels("no_prefill_worker").inc()
                 log.warning("request %s: no prefill worker could take it; the decode worker prefills",

@@ -1,7 +1,8 @@
 """Cache-aware routing over real processes: two decode workers (the tiny random model) publishing
 their KV events to a real Redis, two routers reading it. A conversation's second turn goes to the
 worker holding its first turn's blocks, through either router; once that worker is gone (stopped,
-a fresh one started in its place), no router predicts hits on it any more."""
+a fresh one started in its place), no router predicts hits on it any more. Without a state store
+(no events reach the router), the router's own recent routes send second turns home."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
-from tests.integration.conftest import start_router
+from tests.integration.conftest import start_cluster, start_router, stop_cluster
 from tests.integration.test_shared_state import listed, wait_for
 from tests.redis_server import RedisServer, redis_binary
 
@@ -136,3 +137,19 @@ def prefix_hits(w) -> int:
     """Prompt tokens the worker has found in its prefix cache (its load snapshot)."""
     with grpc.insecure_channel(w.address) as ch:
         return pb_grpc.WorkerStub(ch).Stats(pb.StatsRequest(), timeout=5).prefix_cache_hits
+
+
+def test_without_a_state_store_second_turns_follow_this_routers_own_routes():
+    rng = random.Random(15)
+    firsts = [[rng.randrange(1000, 40000) for _ in range(FIRST_TURN)] for _ in range(CONVERSATIONS)]
+    cluster = start_cluster(MODEL, decode=2, engine_flags=["--num-kv-blocks", "512"])
+    try:
+        for first in firsts:
+            filler = [rng.randrange(1000, 40000) for _ in range(20)]
+            asyncio.run(first_turn_beside_a_long_request(cluster.base_url, cluster.model, first, filler))
+        for first in firsts:
+            second = first + [rng.randrange(1000, 40000) for _ in range(40)]
+            assert cached_tokens(cluster.base_url, cluster.model, second) >= FIRST_TURN // BLOCK * BLOCK
+        assert metric(cluster.base_url, "pdserve_router_prefix_index_blocks") == 0  # no events: not the index
+    finally:
+        stop_cluster(cluster)
