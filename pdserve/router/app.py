@@ -56,7 +56,6 @@ from pdserve.router.protocol import (
     parse_tokenize,
     validation_error,
 )
-from pdserve.router.recent_routes import RecentRoutes
 from pdserve.router.responses import SSE_DONE, Choice, Formatter, cached_prompt_tokens, usage
 from pdserve.router.tokenization import detokenize, tokenize
 from pdserve.router.worker_client import NoWorkerError, WorkerLostError, sampling_to_proto
@@ -134,12 +133,13 @@ class Router:
         decode_policy, prefill_policy = POLICIES[config.policy](config.cost_model())
         # Without a state store no event ever confirms or corrects a route: remember them until
         # newer ones push them out (RecentRoutes.max_keys blocks).
-        ttl_s = config.recent_routes_s if discovery is not None else math.inf
-        recent = RecentRoutes(ttl_s) if config.policy == "cache_aware" and config.recent_routes_s > 0 else None
+        recent_s = config.recent_routes_s if discovery is not None else math.inf
+        if config.policy != "cache_aware" or config.recent_routes_s <= 0:
+            recent_s = None
         self.dispatcher = Dispatcher(pool, decode_policy, prefill_policy, disaggregation,
                                      self.metrics, waker=waker, wait_for_worker_s=config.startup_wait_s,
                                      stream_idle_timeout_s=config.stream_idle_timeout_s, index=self.prefix_index,
-                                     cost_model=config.cost_model(), recent=recent)
+                                     cost_model=config.cost_model(), recent_routes_s=recent_s)
         self.inflight = 0
         self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                             thread_name_prefix="router-prepare")

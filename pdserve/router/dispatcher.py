@@ -82,10 +82,13 @@ class Dispatcher:
                  disaggregation: DisaggregationConfig, metrics: RouterMetrics, max_migrations: int = 3,
                  waker=None, wait_for_worker_s: float = 0.0, stream_idle_timeout_s: float = 60.0,
                  index: PrefixIndex | None = None, cost_model: CostModel = CostModel(),
-                 recent: RecentRoutes | None = None):
+                 recent_routes_s: float | None = None):
         self.pool = pool
         self.index = index  # the global prefix index (empty where no worker's KV events reach it)
-        self.recent = recent  # where this router sent recent prompts (ahead of the index's events)
+        # Where this router sent recent prompts, ahead of the index's events; per pool, as a remote
+        # prefill's blocks end up on both its prefill and its decode worker
+        self.recent = None if recent_routes_s is None else {role: RecentRoutes(recent_routes_s)
+                                                            for role in ("decode", "prefill")}
         self.cost_model = cost_model
         self.wait_for_worker_s = wait_for_worker_s  # a request finding no decode worker waits this long for one
         self.stream_idle_timeout_s = stream_idle_timeout_s  # a stream silent this long is lost: migrate
@@ -137,8 +140,8 @@ class Dispatcher:
             keys = prompt_keys(prompt, info.model_fingerprint, info.block_size, request.cache_salt or None)
             hashed = time.perf_counter()
             matched = self.index.lookup(keys) if indexed else {}
-            if self.recent is not None:
-                for w, blocks in self.recent.lookup(keys, time.monotonic()).items():
+            for recent in (self.recent or {}).values():
+                for w, blocks in recent.lookup(keys, time.monotonic()).items():
                     matched[w] = max(blocks, matched.get(w, 0))
             cached = {w: blocks * info.block_size for w, blocks in matched.items()}
             self.metrics.decision_seconds.labels("prompt_keys").observe(hashed - started)
@@ -236,8 +239,8 @@ class Dispatcher:
         if chosen is None:
             raise NoWorkerError(f"no {role} worker is available" if not tried else f"every {role} worker failed")
         tried.add(chosen)
-        if self.recent is not None and route.keys:  # its blocks will be there (the decode worker's too, by transfer)
-            self.recent.add(route.keys, chosen, time.monotonic())
+        if self.recent is not None and route.keys:  # its blocks will be there
+            self.recent[role].add(route.keys, chosen, time.monotonic())
         return self.pool.by_id(chosen)
 
     # ---- disaggregated ----------------------------------------------------------------------
