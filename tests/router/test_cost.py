@@ -126,3 +126,17 @@ def test_decode_cost_is_its_terms(w, req):
     if req.remote_s is not None:
         prefill = min(prefill, cost.via_remote_s(req.remote_s, u, M))
     assert cost.decode_cost(w, req, M) == pytest.approx(cost.decode_s(w, M) + prefill)
+
+
+def test_policy_names_are_the_configs_choices_and_an_unknown_one_is_refused_naming_the_field():
+    from typing import get_args, get_type_hints
+
+    from pdserve.configs import ConfigError, from_dict
+    from pdserve.router.app import RouterConfig
+
+    assert set(get_args(get_type_hints(RouterConfig)["policy"])) == set(POLICIES)
+    assert RouterConfig().policy == "cache_aware"
+    assert from_dict(RouterConfig, {"policy": "random"}, owner="router").policy == "random"
+    with pytest.raises(ConfigError, match=r"router\.policy: 'fastest' is not one of \['cache_aware', 'least_loaded', "
+                                          r"'round_robin', 'random'\]"):
+        from_dict(RouterConfig, {"policy": "fastest"}, owner="router")
