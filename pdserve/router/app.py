@@ -75,7 +75,7 @@ class RouterConfig:
                        "the queue ahead, the decode slowdown; router/cost.py), least_loaded, round_robin, random")
     cost_prefill_tokens_per_s: float = doc(500.0, "cost model: prompt tokens a worker prefills per second")
     cost_decode_step_s: float = doc(0.02, "cost model: one decode step of one sequence, in seconds (a worker "
-                                          "that is decoding reports its own, from its generation rate)")
+                                          "measured slower, from its generation rate, counts as slower)")
     cost_decode_step_s_per_seq: float = doc(0.002, "cost model: seconds each more sequence adds to a decode step")
     cost_transfer_s_per_token: float = doc(5e-5, "cost model: seconds to ship one token's KV to a decode worker")
     cost_remote_overhead_s: float = doc(0.005, "cost model: the extra calls of a remote prefill, in seconds")

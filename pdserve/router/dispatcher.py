@@ -4,8 +4,9 @@
         ...
 
 Which workers (``policy.POLICIES``, by name): each request's prompt keys are looked up once in the
-global prefix index (``cached``: each worker's predicted hit), and the policy picks among the
-workers in rotation with them (``cache_aware``: least predicted seconds, router/cost.py).
+global prefix index and this router's recent routes (``cached``: each worker's predicted hit),
+and the policy picks among the workers in rotation with them (``cache_aware``: least predicted
+seconds, router/cost.py).
 
 Paths (``policy.prefill_route`` decides, before and after the reservation):
 
