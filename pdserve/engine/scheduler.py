@@ -178,7 +178,9 @@ class Scheduler:
             num_computed = request.num_computed_tokens + len(hits) * bs
             num_new = min(request.num_tokens - num_computed, budget)
             if self.kv.allocate_slots(request, num_new, hits) is None:
-                break
+                if self.running or not self._release_waiting_blocks(request):
+                    break  # running requests will free blocks (or preempt each other)
+                continue  # the head again, with the blocks a request behind it gave back
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING and fresh:
                 request.num_cached_tokens = num_computed
@@ -190,6 +192,18 @@ class Scheduler:
             out.scheduled.append(self._take(request, num_new))
             budget -= num_new
         return budget
+
+    def _release_waiting_blocks(self, head: Request) -> bool:
+        """Nothing runs and the queue's head cannot get a block: free the blocks of the last waiting
+        request behind it that holds some (remote KV that landed, each request needing one more block
+        for its next token, can hold every block: without this nothing would ever run again). That
+        request recomputes when admitted; its prompt's blocks stay in the prefix cache until evicted.
+        False when no request behind the head holds a block."""
+        for request in reversed(self.waiting):
+            if request is not head and self.kv.block_ids(request.request_id):
+                self._preempt(request, requeue=False)
+                return True
+        return False
 
     def _take(self, request: Request, num_new: int, num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -206,14 +220,17 @@ class Scheduler:
             num_spec=num_spec,
         )
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, requeue: bool = True) -> None:
+        """Free the request's blocks; it recomputes from the start. ``requeue``: put it at the head
+        of the queue (a running request; a waiting one keeps its place)."""
         self.kv.free(request)
         request.spec_token_ids, request.num_spec_slots = [], 0
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if requeue:
+            self.waiting.appendleft(request)
 
     def update(self, sched: SchedulerOutput, model_out: ModelOutput) -> list[CoreOutput]:
         """Append sampled tokens, apply token-level stops, free what finished."""

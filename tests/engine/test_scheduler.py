@@ -132,6 +132,31 @@ def test_remote_kv_failure_recomputes_locally(make_engine):
     assert recomputed == run_to_completion(reference)["x"]
 
 
+def test_landed_remote_kv_holding_every_block_does_not_stall_the_engine(make_engine):
+    """Two block-aligned prompts whose KV landed hold all four blocks, and each needs a fifth for
+    its next token: nothing runs, so nothing frees a block. The last one gives its blocks back and
+    recomputes; both finish with the tokens colocated serving gives."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts_ = {"a": list(range(4000, 4032)), "b": list(range(5000, 5032))}  # 2 blocks of 16 each
+    expected, first = {}, {}
+    for rid, prompt in prompts_.items():
+        reference = make_engine()
+        reference.add_request(rid, prompt, params)
+        expected[rid] = run_to_completion(reference)[rid]
+        first[rid] = expected[rid][:1]
+    decode = make_engine(num_kv_blocks=4)
+    requests = {rid: decode.make_request(rid, prompt, params) for rid, prompt in prompts_.items()}
+    for request in requests.values():
+        assert decode.reserve_remote_request(request) is not None
+    assert decode.kv.pool.num_free_blocks == 0
+    for rid in prompts_:  # the KV "lands" as zeros: b recomputes, a's next tokens are not compared
+        decode.finish_remote_kv(rid, ok=True, output_token_ids=first[rid])
+    outputs = run_to_completion(decode, max_steps=200)
+    assert requests["b"].num_preemptions == 1
+    assert first["b"] + outputs["b"] == expected["b"]  # recomputed from the prompt and the first token
+    assert len(outputs["a"]) == len(expected["a"]) - 1
+
+
 def test_reserve_refused_when_no_room(make_engine):
     engine = make_engine(num_kv_blocks=2)
     big = engine.make_request("big", list(range(100, 130)), GREEDY)  # 30 tokens + room: 2 blocks ok
