@@ -63,6 +63,13 @@ class RayHead:
         return self.process.poll() is None
 
 
+# Serve's controller kills its HTTP proxy when the proxy is not ready within 5 s (10 s for a health
+# check); on a small or busy machine (two cores also loading models) its start takes longer, and a
+# killed first proxy fails serve.start at once. Set for the head we start (its actors inherit it);
+# values already in the environment win.
+SERVE_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+
+
 def connect(ray_config) -> RayHead | None:
     """Join ``ray_config.address``, or start a Ray head on this machine and join it (returned)."""
     ray, _ = _import_ray()
@@ -111,7 +118,7 @@ def start_head(ray_config, timeout_s: float = HEAD_START_TIMEOUT_S) -> RayHead:
     if ray_config.resources:
         cmd += ["--resources", json.dumps(dict(ray_config.resources))]
     # One machine: the workers serve gRPC on loopback (the replicas inherit the head's environment).
-    env = {**os.environ, WORKER_HOST_ENV: os.environ.get(WORKER_HOST_ENV, "127.0.0.1")}
+    env = {**SERVE_PATIENCE, **os.environ, WORKER_HOST_ENV: os.environ.get(WORKER_HOST_ENV, "127.0.0.1")}
     log.info("starting Ray on this machine (resources: %s)", ray_config.resources or "none declared")
     process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=env, start_new_session=True, preexec_fn=die_with_parent)

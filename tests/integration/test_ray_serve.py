@@ -39,6 +39,10 @@ def ray_url():
     """Ray on this machine with two node groups' worth of custom resources, Serve's HTTP proxy on a free port."""
     os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PDSERVE_WORKER_HOST="127.0.0.1")
     os.environ["RAY_TMPDIR"] = tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths
+    from pdserve.cluster.ray_launcher import SERVE_PATIENCE
+
+    for key, value in SERVE_PATIENCE.items():  # as pdserve's own head: a busy machine starts the proxy slowly
+        os.environ.setdefault(key, value)
     ray.init(num_cpus=8, resources={"prefill_node": 2, "decode_node": 3}, include_dashboard=False,
              namespace="pdserve-test", log_to_driver=False, _temp_dir=tmp)
     port = free_port()
@@ -70,7 +74,14 @@ def ready_workers(url: str) -> list[dict]:
     return [w for w in r.json().get("workers", []) if w["healthy"]] if r.status_code in (200, 503) else []
 
 
+# Every deadline below is stretched this much: with two busy loops on a 2-core machine, Ray's dozen
+# processes start Serve in ~50 s instead of ~5 and a replica comes back several times slower; the
+# waits end as soon as their condition holds, so only a failing run takes longer.
+PATIENCE = 3
+
+
 def wait_for(condition, seconds: float, what: str, interval: float = 0.2):
+    seconds *= PATIENCE
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         value = condition()
@@ -93,7 +104,7 @@ def alive(deployment: str) -> int:
 
 def complete(url: str, prompt: str, max_tokens: int = 8, timeout: float = 60) -> dict:
     r = httpx.post(url + "/v1/completions", json={"model": "random:tiny", "prompt": prompt, "max_tokens": max_tokens,
-                                                  "ignore_eos": True}, timeout=timeout)
+                                                  "ignore_eos": True}, timeout=timeout * PATIENCE)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] == max_tokens
@@ -126,13 +137,13 @@ def test_pools_land_on_their_resources_and_a_killed_replica_is_replaced(ray_url)
         prefill = serve.get_deployment_handle("PrefillWorker", app_name=APP)
         infos = {}
         for _ in range(30):
-            info = decode.info.remote().result(timeout_s=30)
+            info = decode.info.remote().result(timeout_s=30 * PATIENCE)
             infos[info["replica"]] = info
             if len(infos) == 2:
                 break
         assert len(infos) == 2
         assert all(i["resources"].get("decode_node") == 1.0 for i in infos.values())
-        assert prefill.info.remote().result(timeout_s=30)["resources"].get("prefill_node") == 1.0
+        assert prefill.info.remote().result(timeout_s=30 * PATIENCE)["resources"].get("prefill_node") == 1.0
 
         complete(ray_url, "hello " * 200, 8)  # long: prefilled on the prefill pool
         victim = next(iter(infos.values()))
@@ -158,7 +169,7 @@ def test_pools_land_on_their_resources_and_a_killed_replica_is_replaced(ray_url)
         time.sleep(2)
         stop.set()
         for c in clients:
-            c.join(60)
+            c.join(60 * PATIENCE)
         assert not errors, errors[:3]  # requests during the kill moved to the other decode worker
         new = replaced[0]
         before = worker_tokens(new["address"])
@@ -167,7 +178,7 @@ def test_pools_land_on_their_resources_and_a_killed_replica_is_replaced(ray_url)
             for t in threads:
                 t.start()
             for t in threads:
-                t.join(60)
+                t.join(60 * PATIENCE)
         assert worker_tokens(new["address"]) > before, "the router never sent a request to the new replica"
         assert running("DecodeWorker") == 2
     finally:
@@ -216,12 +227,12 @@ def test_a_load_step_scales_the_loaded_pool_up_then_down_and_loses_nothing(ray_u
         time.sleep(3)  # the new replica takes its share of the load
         load.set()
         for c in clients:
-            c.join(120)
+            c.join(120 * PATIENCE)
         served_during_load = len(results)
         wait_for(lambda: running("DecodeWorker") == 1 and len(ready_workers(ray_url)) == 2, 60,
                  "the decode pool back at one replica")
         watching.set()
-        watcher.join(10)
+        watcher.join(10 * PATIENCE)
         assert not errors, errors[:3]
         assert served_during_load > 0 and all(n == 48 for n in results)
         assert max(d for _, _, d in counts) == 2 and counts[-1][2] == 1
