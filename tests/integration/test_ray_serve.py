@@ -247,7 +247,7 @@ def test_a_pool_at_zero_wakes_for_a_request_and_goes_back_to_zero(ray_url):
         "prefill": {"replicas": 0},
         "decode": {"replicas": 0, "num_cpus": 1, "grace_s": 5, "autoscaling": {
             "min_replicas": 0, "max_replicas": 1, "upscale_window_s": 1, "downscale_window_s": 4,
-            "cold_start_timeout_s": 90}},
+            "cold_start_timeout_s": 90 * PATIENCE}},
     })
     deploy(cluster)
     try:
