@@ -134,36 +134,23 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def gemv(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for one row: ``weight`` ``[n, k]`` contiguous, ``x`` ``[1, k]``."""
+    """``x @ weight.T`` for one float32 row ``x`` ``[1, k]``: ``weight`` ``[n, k]`` contiguous, float32
+    or bfloat16 (widened as it streams); float32 out."""
     n, k = weight.shape
-    out = torch.empty(1, n, dtype=x.dtype)
-    lib.gemv_f32(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k)
+    out = torch.empty(1, n, dtype=torch.float32)
+    kernel = lib.gemv_bf16_f32 if weight.dtype == torch.bfloat16 else lib.gemv_f32
+    kernel(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k)
     return out
 
 
 def gemm_rows(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for a few rows, reading ``weight`` once: ``x`` ``[m, k]`` contiguous."""
-    n, k = weight.shape
-    m = x.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype)
-    lib.gemm_rows_f32(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, m)
-    return out
-
-
-def gemv_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for one float32 row and a bfloat16 ``weight`` ``[n, k]`` (float32 out)."""
-    n, k = weight.shape
-    out = torch.empty(1, n, dtype=torch.float32)
-    lib.gemv_bf16_f32(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k)
-    return out
-
-
-def gemm_rows_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for a few float32 rows and a bfloat16 ``weight``, reading it once."""
+    """``x @ weight.T`` for a few float32 rows, reading ``weight`` (float32 or bfloat16) once: ``x``
+    ``[m, k]`` contiguous; float32 out."""
     n, k = weight.shape
     m = x.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    lib.gemm_rows_bf16_f32(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, m)
+    kernel = lib.gemm_rows_bf16_f32 if weight.dtype == torch.bfloat16 else lib.gemm_rows_f32
+    kernel(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, m)
     return out
 
 

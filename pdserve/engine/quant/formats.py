@@ -250,7 +250,7 @@ class BF16Linear(QuantLinear):
         if rows <= self.FEW_ROWS and self.kernels is not None and x.dtype == torch.float32 and x.is_contiguous():
             from pdserve.engine import cpu_kernels
 
-            kernel = cpu_kernels.gemv_bf16 if rows == 1 else cpu_kernels.gemm_rows_bf16
+            kernel = cpu_kernels.gemv if rows == 1 else cpu_kernels.gemm_rows
             return kernel(self.kernels, self.qweight, x)
         xb = x.to(torch.bfloat16)
         if self.packed is not None:
