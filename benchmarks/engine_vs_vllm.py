@@ -211,8 +211,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 # ---- serving: vllm serve and pdserve serve under vLLM's own client ------------------------------
 
-SERVE_METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
-                 "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms")
+SERVE_METRICS = ("completed", "failed", "request_throughput", "output_throughput", "median_ttft_ms", "p90_ttft_ms",
+                 "p99_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms")
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -301,10 +301,11 @@ def serve_comparison(args, out: Path) -> list[dict]:
 
 
 def serve_table(rows: list[dict]) -> str:
-    lines = ["| rate | server | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) | "
-             "cores busy |", "|---|---|---|---|---|---|---|"]
+    lines = ["| rate | server | ok / failed | req/s | output tok/s | TTFT p50 / p90 / p99 (ms) | "
+             "TPOT p50 / p90 / p99 (ms) | cores busy |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['rate']:g} | {r['server']} | {r['request_throughput']:.2f} | "
+        lines.append(f"| {r['rate']:g} | {r['server']} | {r['completed']} / {r['failed']} | "
+                     f"{r['request_throughput']:.2f} | "
                      f"{r['output_throughput']:.0f} | "
                      f"{r['median_ttft_ms']:.0f} / {r['p90_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
                      f"{r['median_tpot_ms']:.0f} / {r['p90_tpot_ms']:.0f} / {r['p99_tpot_ms']:.0f} | "
@@ -313,11 +314,12 @@ def serve_table(rows: list[dict]) -> str:
 
 
 def goodput(rows: list[dict], ttft_ms: float, tpot_ms: float) -> dict[str, float]:
-    """Per server, the highest rate whose p90 TTFT and TPOT meet the SLO (0: none does)."""
+    """Per server, the highest rate whose p90 TTFT and TPOT meet the SLO with every request served
+    (0: none does; a run with failed requests never meets it, whatever its latencies)."""
     best: dict[str, float] = {}
     for r in rows:
         best.setdefault(r["server"], 0.0)
-        if r["p90_ttft_ms"] <= ttft_ms and r["p90_tpot_ms"] <= tpot_ms:
+        if r["failed"] == 0 and r["completed"] > 0 and r["p90_ttft_ms"] <= ttft_ms and r["p90_tpot_ms"] <= tpot_ms:
             best[r["server"]] = max(best[r["server"]], r["rate"])
     return best
 

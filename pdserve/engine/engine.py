@@ -12,6 +12,8 @@ Callers (the offline ``LLM``, the workers) own the loop: add requests, call ``st
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +53,13 @@ class EngineStats:
     spec_proposed: int = 0  # speculative decoding totals: tokens proposed, accepted, verification steps
     spec_accepted: int = 0
     spec_steps: int = 0
+    prefill_tokens_per_s: float = 0.0  # prompt tokens per second of the recent steps computing prompts (0: none yet)
 
+
+# Steps computing at least this many prompt tokens count in the measured prefill rate (a step of a few
+# prompt tokens among decodes measures the decode batch, not prefill).
+PREFILL_RATE_MIN_TOKENS = 32
+PREFILL_RATE_STEPS = 16  # the rate is over this many such steps, however old (an idle worker keeps it)
 
 @dataclass
 class _TextState:
@@ -121,6 +129,7 @@ class LLMEngine:
                          if self.spec_config else None)
         self._text: dict[str, _TextState] = {}
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0}
+        self._prefill_steps: deque[tuple[int, float]] = deque(maxlen=PREFILL_RATE_STEPS)  # (prompt tokens, seconds)
 
     def _linear_path(self, dtype: torch.dtype) -> str:
         plan = self.cpu_plan
@@ -260,8 +269,19 @@ class LLMEngine:
             self.proposer.after_schedule(sched)
             for item in sched.scheduled:
                 item.shrink_spec(len(item.spec_token_ids))
+        prompt = sum(max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start)
+                     for s in sched.scheduled)
+        start = time.perf_counter()
         model_out = self.runner.execute(sched)
+        if prompt >= PREFILL_RATE_MIN_TOKENS:
+            self._prefill_steps.append((prompt, time.perf_counter() - start))
         return self._process(self.scheduler.update(sched, model_out))
+
+    def prefill_rate(self) -> float:
+        """Prompt tokens per second of the last steps that computed prompts (their decodes included:
+        what a prompt sent here costs); 0.0 before the first. The routers' cost model reads it."""
+        seconds = sum(t for _, t in self._prefill_steps)
+        return sum(n for n, _ in self._prefill_steps) / seconds if seconds > 0 else 0.0
 
     def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
         outputs = []
@@ -368,4 +388,5 @@ class LLMEngine:
             spec_proposed=self.scheduler.spec_totals[0],
             spec_accepted=self.scheduler.spec_totals[1],
             spec_steps=self.scheduler.spec_totals[2],
+            prefill_tokens_per_s=self.prefill_rate(),
         )

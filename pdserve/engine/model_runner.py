@@ -60,7 +60,7 @@ class ModelRunner:
         cfg = model.config
         self.model = model
         self.block_size = block_size
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = model.norm.weight.dtype  # the activations' (quantized weights, bf16 too, differ from it)
         self.device = next(model.parameters()).device
         nb, kvh, hd = num_blocks, cfg.num_kv_heads, cfg.head_dim
         self.kv_cache_dtype = kv_cache_dtype

@@ -73,7 +73,8 @@ class RouterConfig:
     policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = doc(
         "cache_aware", "how a worker is chosen: cache_aware (least predicted seconds: the prompt's uncached part, "
                        "the queue ahead, the decode slowdown; router/cost.py), least_loaded, round_robin, random")
-    cost_prefill_tokens_per_s: float = doc(500.0, "cost model: prompt tokens a worker prefills per second")
+    cost_prefill_tokens_per_s: float = doc(500.0, "cost model: prompt tokens a worker prefills per second, "
+                                                "until its load snapshot carries its own measurement")
     cost_decode_step_s: float = doc(0.02, "cost model: one decode step of one sequence, in seconds (a worker "
                                           "measured slower, from its generation rate, counts as slower)")
     cost_decode_step_s_per_seq: float = doc(0.002, "cost model: seconds each more sequence adds to a decode step")

@@ -5,17 +5,23 @@ the live router and anything that replays its decisions.
 For a request of P prompt tokens, with c_w of them predicted cached on worker w:
 
     uncached(w)    = P - c_w
-    queue(w)       = max(its queued prompt tokens, this router's in flight there) / prefill_tokens_per_s
+    rate(w)        = its prefill tokens/s: measured by the worker (its load snapshot, over its recent
+                     steps computing prompts), else the model's prefill_tokens_per_s
+    queue(w)       = max(its queued prompt tokens, this router's in flight there) / rate(w)
     step(w)        = its decode step: the model's decode_step_s + decode_step_s_per_seq x batch, or
                      longer where its snapshot measured longer (running / generation tokens/s)
-    local(d)       = queue(d) + t + interference x t x (batch(d) + 1),    t = uncached(d) / prefill_tokens_per_s
+    local(d)       = queue(d) + t + interference x t x (batch(d) + 1),    t = uncached(d) / rate(d)
                      (a prompt prefilled on a decode worker holds the decode steps of its batch, and of
                      the requests joining it meanwhile, counted as one more, for t)
-    remote(p)      = queue(p) + uncached(p) / prefill_tokens_per_s         (a prefill worker)
+    remote(p)      = queue(p) + uncached(p) / rate(p) + shortfall(p, uncached(p))     (a prefill worker)
     via_remote(d)  = min_p remote(p) + transfer_s_per_token x uncached(d) + remote_overhead_s
     decode(d)      = decode_horizon_tokens x (step(d) + decode_step_s_per_seq x (batch(d) + 1))
                      (its own tokens, and the slowdown it adds to every sequence in the batch)
-    cost(d)        = decode(d) + min(local(d), via_remote(d))    (via_remote only with a prefill worker)
+    shortfall(w,n) = max(n - free KV tokens(w), 0) / rate(w)
+                     (KV pressure: tokens that do not fit in its free blocks wait for blocks or push a
+                     running sequence out to be recomputed; counted as recomputing them)
+    cost(d)        = decode(d) + min(local(d), via_remote(d)) + shortfall(d, uncached(d) + decode_horizon_tokens)
+                     (via_remote only with a prefill worker)
 
 The least cost wins; equal costs break at random (or, with a temperature, a softmax over the
 costs picks, as Dynamo's router does).
@@ -38,7 +44,7 @@ class CostModel:
     """The latency model's coefficients (defaults: SmolLM2-135M on 2 cores of this machine's CPU,
     benchmarks/engine_throughput.py; a profile of another model or machine overrides them)."""
 
-    prefill_tokens_per_s: float = 500.0  # prompt tokens a worker computes per second
+    prefill_tokens_per_s: float = 500.0  # prompt tokens a worker computes per second, until it has measured its own
     decode_step_s: float = 0.02  # one decode step with one sequence
     decode_step_s_per_seq: float = 0.002  # what each more sequence in the batch adds to a step
     transfer_s_per_token: float = 5e-5  # shipping one token's KV from a prefill to a decode worker
@@ -66,8 +72,20 @@ def uncached(w: WorkerLoad, req: RouteRequest) -> int:
     return max(req.prompt_tokens - req.cached.get(w.worker_id, 0), 0)
 
 
+def rate(w: WorkerLoad, m: CostModel) -> float:
+    """The worker's prefill tokens/s: its own measurement where its snapshot has one, else the model's."""
+    return w.prefill_tokens_per_s if w.prefill_tokens_per_s > 0 else m.prefill_tokens_per_s
+
+
 def queue_s(w: WorkerLoad, m: CostModel) -> float:
-    return max(w.waiting_prompt_tokens, w.inflight_tokens) / m.prefill_tokens_per_s
+    return max(w.waiting_prompt_tokens, w.inflight_tokens) / rate(w, m)
+
+
+def shortfall_s(w: WorkerLoad, tokens: int, m: CostModel) -> float:
+    """KV pressure: the tokens that do not fit in the worker's free blocks, as recompute seconds."""
+    if w.free_kv_tokens < 0 or tokens <= w.free_kv_tokens:
+        return 0.0
+    return (tokens - w.free_kv_tokens) / rate(w, m)
 
 
 def step_s(w: WorkerLoad, m: CostModel) -> float:
@@ -82,12 +100,13 @@ def step_s(w: WorkerLoad, m: CostModel) -> float:
 
 
 def local_prefill_s(w: WorkerLoad, uncached_tokens: int, m: CostModel) -> float:
-    t = uncached_tokens / m.prefill_tokens_per_s
+    t = uncached_tokens / rate(w, m)
     return queue_s(w, m) + t + m.interference * t * (batch(w) + 1)
 
 
 def remote_prefill_s(p: WorkerLoad, req: RouteRequest, m: CostModel) -> float:
-    return queue_s(p, m) + uncached(p, req) / m.prefill_tokens_per_s
+    u = uncached(p, req)
+    return queue_s(p, m) + u / rate(p, m) + shortfall_s(p, u, m)
 
 
 def via_remote_s(remote_s: float, uncached_on_decode: int, m: CostModel) -> float:
@@ -100,7 +119,7 @@ def decode_s(w: WorkerLoad, m: CostModel) -> float:
 
 def decode_cost(w: WorkerLoad, req: RouteRequest, m: CostModel) -> float:
     """Predicted seconds of sending the request to decode worker ``w``: ``decode_s`` + the cheaper of
-    ``local_prefill_s`` and ``via_remote_s``, written out in one body (a policy evaluates it for every
+    ``local_prefill_s`` and ``via_remote_s`` + ``shortfall_s``, written out in one body (a policy evaluates it for every
     worker of the pool on each request; tests/router/test_cost.py checks it against those terms)."""
     b = w.num_running + w.num_waiting
     if w.inflight > b:
@@ -111,11 +130,15 @@ def decode_cost(w: WorkerLoad, req: RouteRequest, m: CostModel) -> float:
         step = max(step, measured)
     u = req.prompt_tokens - req.cached.get(w.worker_id, 0)
     u = u if u > 0 else 0
-    t = u / m.prefill_tokens_per_s
+    r = w.prefill_tokens_per_s if w.prefill_tokens_per_s > 0 else m.prefill_tokens_per_s
+    t = u / r
     queued = w.waiting_prompt_tokens if w.waiting_prompt_tokens > w.inflight_tokens else w.inflight_tokens
-    prefill = queued / m.prefill_tokens_per_s + t + m.interference * t * (b + 1)
+    prefill = queued / r + t + m.interference * t * (b + 1)
     if req.remote_s is not None:
         prefill = min(prefill, req.remote_s + m.transfer_s_per_token * u + m.remote_overhead_s)
+    need = u + m.decode_horizon_tokens
+    if 0 <= w.free_kv_tokens < need:
+        prefill += (need - w.free_kv_tokens) / r
     return m.decode_horizon_tokens * (step + m.decode_step_s_per_seq * (b + 1)) + prefill
 
 

@@ -27,6 +27,8 @@ class WorkerLoad(NamedTuple):
     waiting_prompt_tokens: int = 0
     inflight_tokens: int = 0  # prompt tokens of this router's requests in flight there, not yet computed
     generation_tokens_per_s: float = 0.0  # from its snapshot: with num_running, its decode step time
+    prefill_tokens_per_s: float = 0.0  # from its snapshot: its measured prefill rate (0: not yet; the model's)
+    free_kv_tokens: int = -1  # from its snapshot: free KV blocks x block size (-1: unknown)
 
 
 def least_loaded(workers: Sequence[WorkerLoad], request: RouteRequest | None = None) -> str | None:

@@ -159,6 +159,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             generation_tokens_total=s.generation_tokens, waiting_prompt_tokens=s.waiting_prompt_tokens,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, draining=self.draining, timestamp=time.time(),
+            prefill_tokens_per_s=s.prefill_tokens_per_s,
         )
 
     async def Info(self, request, context) -> pb.WorkerInfo:

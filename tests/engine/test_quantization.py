@@ -169,15 +169,18 @@ def test_tiny_model_quantized_logits_close_to_float(float_tiny, method, bound):
     assert rel_err(got, want) < bound
 
 
-def test_quantized_model_serves_through_the_engine(float_tiny):
-    """The paged engine path (batched decode, prefill) over a quantized model."""
-    loaded = load_model("random:tiny", progress=False, seed=3, quantization="int4")
+@pytest.mark.parametrize("method", ["int4", "bf16"])
+def test_quantized_model_serves_through_the_engine(float_tiny, method):
+    """The paged engine path (batched decode, prefill) over a quantized model (bf16: bfloat16 weights,
+    the tied embedding among them, under float32 activations and a float32 KV cache)."""
+    loaded = load_model("random:tiny", progress=False, seed=3, quantization=method)
     engine = LLMEngine(EngineConfig(model="random:tiny", load_progress=False, num_kv_blocks=64), loaded=loaded)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for i in range(3):
         engine.add_request(str(i), list(range(100 + i, 120 + 3 * i)), params)
     outs = run_to_completion(engine)
     assert all(len(tokens) == 6 for tokens in outs.values())
+    assert engine.runner.kv_cache.dtype == torch.float32
     assert_no_leaks(engine)
 
 

@@ -164,3 +164,18 @@ def test_reserve_refused_when_no_room(make_engine):
     other = engine.make_request("other", list(range(100, 110)), GREEDY)
     assert engine.reserve_remote_request(other) is None
     engine.abort_request("big")
+
+
+def test_prefill_rate_is_measured_from_steps_computing_prompts(make_engine):
+    """The load snapshot's prefill tokens/s (the routers' cost model reads it): none before a prompt
+    is computed, none from decode steps or a short prompt, and the steps that computed prompts after."""
+    from pdserve.engine.engine import PREFILL_RATE_MIN_TOKENS
+
+    engine = make_engine()
+    assert engine.stats().prefill_tokens_per_s == 0.0
+    generate(engine, [list(range(100, 100 + PREFILL_RATE_MIN_TOKENS - 1))])  # a short prompt, then decodes
+    assert engine.stats().prefill_tokens_per_s == 0.0
+    generate(engine, [list(range(200, 200 + 3 * PREFILL_RATE_MIN_TOKENS))])
+    steps = list(engine._prefill_steps)
+    assert [n for n, _ in steps] == [3 * PREFILL_RATE_MIN_TOKENS]
+    assert engine.stats().prefill_tokens_per_s == steps[0][0] / steps[0][1] > 0

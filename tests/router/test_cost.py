@@ -15,8 +15,9 @@ from pdserve.router.policy import POLICIES, WorkerLoad
 M = CostModel(interference=1.0)  # 500 prompt tokens/s; decode step 20 ms + 2 ms a sequence
 
 
-def load(name: str, running: int = 0, waiting_tokens: int = 0, inflight: int = 0, tps: float = 0.0) -> WorkerLoad:
-    return WorkerLoad(name, inflight, running, 0, 0.0, waiting_tokens, 0, tps)
+def load(name: str, running: int = 0, waiting_tokens: int = 0, inflight: int = 0, tps: float = 0.0,
+         prefill_tps: float = 0.0, free: int = -1) -> WorkerLoad:
+    return WorkerLoad(name, inflight, running, 0, 0.0, waiting_tokens, 0, tps, prefill_tps, free)
 
 
 def pick(policy: str, workers, req: RouteRequest, role: str = "decode") -> str:
@@ -45,6 +46,15 @@ def pick(policy: str, workers, req: RouteRequest, role: str = "decode") -> str:
     ([load("a", running=1, tps=1000.0), load("b")], RouteRequest(50), "b"),
     # with a prefill worker (remote_s), a hit on the decode worker matters less: only the transfer
     ([load("a", running=1), load("b", running=2)], RouteRequest(1000, {"b": 960}, remote_s=0.1), "a"),
+    # KV pressure: a short hit on a worker with no free blocks loses (what does not fit is recomputed)...
+    ([load("a"), load("b", free=0)], RouteRequest(1000, {"b": 160}), "a"),
+    ([load("a"), load("b")], RouteRequest(1000, {"b": 160}), "b"),
+    # ... but not when the prompt fits in what it has free
+    ([load("a", free=4096), load("b", free=600)], RouteRequest(1000, {"b": 480}), "b"),
+    # a worker that measured a faster prefill (its snapshot) wins an even split; the queue is counted at
+    # each worker's own rate: 1,500 queued tokens at 3,000 tokens/s beat 300 at the model's 500
+    ([load("a"), load("b", prefill_tps=2000.0)], RouteRequest(1000), "b"),
+    ([load("a", waiting_tokens=300), load("b", waiting_tokens=1500, prefill_tps=3000.0)], RouteRequest(100), "b"),
 ])
 def test_cache_aware_decode_choice(workers, req, chosen):
     assert pick("cache_aware", workers, req) == chosen
@@ -116,7 +126,8 @@ def test_decision_with_64_workers_is_well_under_100_us():
 
 
 @pytest.mark.parametrize("w", [load("a"), load("a", running=5, waiting_tokens=300, inflight=2, tps=40.0),
-                               load("a", running=2, tps=1000.0), load("a", inflight=7)])
+                               load("a", running=2, tps=1000.0), load("a", inflight=7),
+                               load("a", running=1, prefill_tps=900.0, free=200), load("a", free=100_000)])
 @pytest.mark.parametrize("req", [RouteRequest(700), RouteRequest(700, {"a": 640}), RouteRequest(700, remote_s=0.3),
                                  RouteRequest(700, {"a": 320}, remote_s=5.0)])
 def test_decode_cost_is_its_terms(w, req):
@@ -125,7 +136,8 @@ def test_decode_cost_is_its_terms(w, req):
     prefill = cost.local_prefill_s(w, u, M)
     if req.remote_s is not None:
         prefill = min(prefill, cost.via_remote_s(req.remote_s, u, M))
-    assert cost.decode_cost(w, req, M) == pytest.approx(cost.decode_s(w, M) + prefill)
+    shortfall = cost.shortfall_s(w, u + M.decode_horizon_tokens, M)
+    assert cost.decode_cost(w, req, M) == pytest.approx(cost.decode_s(w, M) + prefill + shortfall)
 
 
 def test_policy_names_are_the_configs_choices_and_an_unknown_one_is_refused_naming_the_field():
