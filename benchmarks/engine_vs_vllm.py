@@ -264,9 +264,10 @@ def serve_servers(args, port: int) -> dict[str, list[str]]:
     return {SERVERS[name]: commands[name] for name in args.serve_servers.split(",")}
 
 
-def bench_serve(args, port: int, rate: float, out: Path) -> dict:
-    """One `vllm bench serve` run at ``rate`` against the server on ``port``; its result JSON."""
-    name = f"serve_{port}_{rate}.json"
+def bench_serve(args, port: int, rate: float, out: Path, server: str) -> dict:
+    """One `vllm bench serve` run at ``rate`` against ``server`` on ``port``; its result JSON (kept
+    per server and rate in ``out``)."""
+    name = f"serve_{''.join(c if c.isalnum() else '_' for c in server)}_{rate:g}.json"
     cmd = [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "bench", "serve", "--backend", "openai",
            "--endpoint", "/v1/completions", "--model", args.vllm_model, "--tokenizer", args.vllm_model,
            "--base-url", f"http://127.0.0.1:{port}", "--dataset-name", "random", "--random-input-len",
@@ -290,7 +291,7 @@ def serve_comparison(args, out: Path) -> list[dict]:
                 _wait_http(f"http://127.0.0.1:{args.serve_port}/ready", proc, 300)
             for rate in [float(r) for r in args.serve_rates.split(",")]:
                 busy0, t0 = _busy_jiffies(), time.monotonic()
-                result = bench_serve(args, args.serve_port, rate, out)
+                result = bench_serve(args, args.serve_port, rate, out, server)
                 load = (_busy_jiffies() - busy0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0)
                 rows.append({"server": server, "rate": rate, "cores_busy": load,
                              **{k: result.get(k) for k in SERVE_METRICS}})
