@@ -56,9 +56,12 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0  # prompt tokens per second of the recent steps computing prompts (0: none yet)
 
 
-# Steps computing at least this many prompt tokens count in the measured prefill rate (a step of a few
-# prompt tokens among decodes measures the decode batch, not prefill).
-PREFILL_RATE_MIN_TOKENS = 32
+# Steps computing at least this many prompt tokens count in the measured prefill rate. A rate in tokens
+# per second holds where compute dominates; a step of a short prompt measures the step's fixed cost
+# (weights streamed once, sampling, the decodes beside it): counted, it made a worker that had seen
+# only short prompts look several times slower than one not yet measured, and the router then took
+# prompts off its prefill pool.
+PREFILL_RATE_MIN_TOKENS = 256
 PREFILL_RATE_STEPS = 16  # the rate is over this many such steps, however old (an idle worker keeps it)
 
 @dataclass
