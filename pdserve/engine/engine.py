@@ -64,6 +64,7 @@ class EngineStats:
 PREFILL_RATE_MIN_TOKENS = 256
 PREFILL_RATE_STEPS = 16  # the rate is over this many such steps, however old (an idle worker keeps it)
 
+
 @dataclass
 class _TextState:
     """Per-request text: what was decoded, what was emitted, what is held back for stop strings.
