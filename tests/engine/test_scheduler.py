@@ -135,26 +135,31 @@ def test_remote_kv_failure_recomputes_locally(make_engine):
 def test_landed_remote_kv_holding_every_block_does_not_stall_the_engine(make_engine):
     """Two block-aligned prompts whose KV landed hold all four blocks, and each needs a fifth for
     its next token: nothing runs, so nothing frees a block. The last one gives its blocks back and
-    recomputes; both finish with the tokens colocated serving gives."""
+    recomputes (its first block still cached: a prefix hit on the KV that landed); both finish
+    with the tokens colocated serving gives."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts_ = {"a": list(range(4000, 4032)), "b": list(range(5000, 5032))}  # 2 blocks of 16 each
-    expected, first = {}, {}
+    expected, landed = {}, {}
     for rid, prompt in prompts_.items():
         reference = make_engine()
         reference.add_request(rid, prompt, params)
-        expected[rid] = run_to_completion(reference)[rid]
-        first[rid] = expected[rid][:1]
+        first_step = reference.step()  # the whole prompt in one step: its KV is what "lands"
+        landed[rid] = reference.runner.kv_cache[:, :, reference.kv.block_ids(rid)[:2]].clone()
+        expected[rid] = [t for out in first_step for t in out.new_token_ids]
+        expected[rid] += run_to_completion(reference)[rid]
     decode = make_engine(num_kv_blocks=4)
     requests = {rid: decode.make_request(rid, prompt, params) for rid, prompt in prompts_.items()}
-    for request in requests.values():
-        assert decode.reserve_remote_request(request) is not None
+    for rid, request in requests.items():
+        block_ids = decode.reserve_remote_request(request)
+        assert block_ids is not None
+        decode.runner.kv_cache[:, :, block_ids] = landed[rid]
     assert decode.kv.pool.num_free_blocks == 0
-    for rid in prompts_:  # the KV "lands" as zeros: b recomputes, a's next tokens are not compared
-        decode.finish_remote_kv(rid, ok=True, output_token_ids=first[rid])
+    for rid in prompts_:
+        decode.finish_remote_kv(rid, ok=True, output_token_ids=expected[rid][:1])
     outputs = run_to_completion(decode, max_steps=200)
     assert requests["b"].num_preemptions == 1
-    assert first["b"] + outputs["b"] == expected["b"]  # recomputed from the prompt and the first token
-    assert len(outputs["a"]) == len(expected["a"]) - 1
+    for rid in prompts_:
+        assert expected[rid][:1] + outputs[rid] == expected[rid]
 
 
 def test_reserve_refused_when_no_room(make_engine):
