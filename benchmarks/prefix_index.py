@@ -114,7 +114,7 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=1_000_000, help="distinct indexed blocks (default 1M)")
     parser.add_argument("--lookups", type=int, default=20_000, help="lookups timed (default 20000)")
     parser.add_argument("--events", type=int, default=200_000, help="events applied (default 200000)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random hashes and lookups (default 0)")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)

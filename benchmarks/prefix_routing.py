@@ -261,24 +261,30 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="the tiny random model and small workloads (a smoke run)")
     p.add_argument("--decision-only", action="store_true", help="only time the cache_aware decision, 64 workers")
     p.add_argument("--model", default=None, help="default: smollm2-135m-instruct (random:tiny with --quick)")
-    p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--workloads", default="tenants,chat")
-    p.add_argument("--decode", type=int, default=4)
-    p.add_argument("--tenants", type=int, default=16)
-    p.add_argument("--system-tokens", type=int, default=1000)
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"routing policies compared, comma-separated (default {','.join(POLICIES)})")
+    p.add_argument("--workloads", default="tenants,chat", help="tenants and/or chat, comma-separated (default both)")
+    p.add_argument("--decode", type=int, default=4,
+                   help="decode workers behind the router (default 4; 1 prefill worker)")
+    p.add_argument("--tenants", type=int, default=16,
+                   help="tenants workload: tenants, each with its own system prompt (default 16)")
+    p.add_argument("--system-tokens", type=int, default=1000,
+                   help="tenants: tokens of each system prompt (default 1000)")
     p.add_argument("--requests", type=int, default=None, help="tenants workload (default 160; 48 with --quick)")
     p.add_argument("--rate", type=float, default=None, help="tenants: requests/s (default 0.5; 8 with --quick)")
-    p.add_argument("--users", type=int, default=8)
+    p.add_argument("--users", type=int, default=8, help="chat: concurrent users (default 8)")
     p.add_argument("--turns", type=int, default=None, help="default 6; 3 with --quick")
     p.add_argument("--conversations", type=int, default=None, help="per user, one after another (default 4; 3 "
                                                                       "with --quick)")
-    p.add_argument("--answer-tokens", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--answer-tokens", type=int, default=64,
+                   help="chat: tokens standing in for each answer in the next turn's context (default 64)")
+    p.add_argument("--output-tokens", type=int, default=16, help="tokens generated per request (default 16)")
     p.add_argument("--kv-fraction", type=float, default=0.4,
                    help="each worker's KV blocks as a fraction of the working set's")
     p.add_argument("--router-flags", default="", help="more flags for every router, e.g. '--cost-interference 1'")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result-dir", default="docs/bench/prefix_routing")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times (default 0)")
+    p.add_argument("--result-dir", default="docs/bench/prefix_routing",
+                   help="where prefix_routing.json and .png go (default docs/bench/prefix_routing)")
     args = p.parse_args()
     args.model = args.model or ("random:tiny" if args.quick else "smollm2-135m-instruct")
     args.requests = args.requests or (48 if args.quick else 160)

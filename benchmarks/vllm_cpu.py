@@ -175,10 +175,11 @@ def offline_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="a Hugging Face checkpoint directory")
     p.add_argument("--input", required=True, help="the requests, JSON (see the module doc)")
     p.add_argument("--output", required=True, help="where the results go, JSON")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--dtype", default="float32", help="vLLM's --dtype (default float32)")
+    p.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's max_num_seqs (default: vLLM's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="vLLM's max_num_batched_tokens (default: vLLM's)")
     p.add_argument(
         "--prefix-caching",
         action="store_true",
