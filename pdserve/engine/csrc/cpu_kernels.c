@@ -178,75 +178,11 @@ void write_kv_f32(const float *k, const float *v, float *k_cache, float *v_cache
     }
 }
 
-/* y[n] = W[n, k] x[k] for one row of activations (single-request decode): each thread streams
- * its share of W's rows front to back, four rows at a time sharing the loads of x. Reading W
- * is the whole cost; this keeps the hardware prefetchers on long sequential runs. */
-void gemv_f32(const float *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t k) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i += 4) {
-        if (n - i >= 4) {
-            const float *w0 = w + i * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-            for (int64_t j = 0; j < k; j++) {
-                const float xj = x[j];
-                a0 += w0[j] * xj;
-                a1 += w1[j] * xj;
-                a2 += w2[j] * xj;
-                a3 += w3[j] * xj;
-            }
-            y[i] = a0;
-            y[i + 1] = a1;
-            y[i + 2] = a2;
-            y[i + 3] = a3;
-        } else {
-            for (int64_t r = i; r < n; r++) {
-                const float *wr = w + r * k;
-                float a = 0.0f;
-#pragma omp simd reduction(+ : a)
-                for (int64_t j = 0; j < k; j++) a += wr[j] * x[j];
-                y[r] = a;
-            }
-        }
-    }
-}
+/* The two few-rows products, written once for each weight type: W_T is the weight's element
+ * type and LOAD(v) widens one weight to float32 (the arithmetic is float32 either way).
+ * bfloat16 weights are the upper half of a float32: half the bytes of W to stream. */
+static inline float f32_to_f32(float v) { return v; }
 
-/* y[m, n] = x[m, k] @ w[n, k]^T for a few rows (m small: speculative verification, small
- * batches): each row of w is read once from memory and used for every row of x, four at a time. */
-void gemm_rows_f32(const float *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t k,
-                   int64_t m) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const float *wi = w + i * k;
-        int64_t r = 0;
-        for (; r + 4 <= m; r += 4) {
-            const float *x0 = x + r * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
-            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-            for (int64_t j = 0; j < k; j++) {
-                const float wj = wi[j];
-                a0 += wj * x0[j];
-                a1 += wj * x1[j];
-                a2 += wj * x2[j];
-                a3 += wj * x3[j];
-            }
-            y[r * n + i] = a0;
-            y[(r + 1) * n + i] = a1;
-            y[(r + 2) * n + i] = a2;
-            y[(r + 3) * n + i] = a3;
-        }
-        for (; r < m; r++) {
-            const float *xr = x + r * k;
-            float a = 0.0f;
-#pragma omp simd reduction(+ : a)
-            for (int64_t j = 0; j < k; j++) a += wi[j] * xr[j];
-            y[r * n + i] = a;
-        }
-    }
-}
-
-/* The same two products with bfloat16 weights (the upper half of a float32) and float32
- * activations: half the bytes of W to stream, the arithmetic still in float32. */
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -254,64 +190,72 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-void gemv_bf16_f32(const uint16_t *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t k) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i += 4) {
-        if (n - i >= 4) {
-            const uint16_t *w0 = w + i * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-            for (int64_t j = 0; j < k; j++) {
-                const float xj = x[j];
-                a0 += bf16_to_f32(w0[j]) * xj;
-                a1 += bf16_to_f32(w1[j]) * xj;
-                a2 += bf16_to_f32(w2[j]) * xj;
-                a3 += bf16_to_f32(w3[j]) * xj;
-            }
-            y[i] = a0;
-            y[i + 1] = a1;
-            y[i + 2] = a2;
-            y[i + 3] = a3;
-        } else {
-            for (int64_t r = i; r < n; r++) {
-                const uint16_t *wr = w + r * k;
-                float a = 0.0f;
-#pragma omp simd reduction(+ : a)
-                for (int64_t j = 0; j < k; j++) a += bf16_to_f32(wr[j]) * x[j];
-                y[r] = a;
-            }
-        }
+/* y[n] = W[n, k] x[k] for one row of activations (single-request decode): each thread streams
+ * its share of W's rows front to back, four rows at a time sharing the loads of x. Reading W
+ * is the whole cost; this keeps the hardware prefetchers on long sequential runs. */
+#define DEFINE_GEMV(NAME, W_T, LOAD)                                                                  \
+    void NAME(const W_T *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t k) { \
+        _Pragma("omp parallel for schedule(static)") for (int64_t i = 0; i < n; i += 4) {              \
+            if (n - i >= 4) {                                                                         \
+                const W_T *w0 = w + i * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;                  \
+                float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;                                     \
+                _Pragma("omp simd reduction(+ : a0, a1, a2, a3)") for (int64_t j = 0; j < k; j++) {    \
+                    const float xj = x[j];                                                            \
+                    a0 += LOAD(w0[j]) * xj;                                                           \
+                    a1 += LOAD(w1[j]) * xj;                                                           \
+                    a2 += LOAD(w2[j]) * xj;                                                           \
+                    a3 += LOAD(w3[j]) * xj;                                                           \
+                }                                                                                     \
+                y[i] = a0;                                                                            \
+                y[i + 1] = a1;                                                                        \
+                y[i + 2] = a2;                                                                        \
+                y[i + 3] = a3;                                                                        \
+            } else {                                                                                  \
+                for (int64_t r = i; r < n; r++) {                                                     \
+                    const W_T *wr = w + r * k;                                                        \
+                    float a = 0.0f;                                                                   \
+                    _Pragma("omp simd reduction(+ : a)") for (int64_t j = 0; j < k; j++) a +=         \
+                        LOAD(wr[j]) * x[j];                                                           \
+                    y[r] = a;                                                                         \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
     }
-}
 
-void gemm_rows_bf16_f32(const uint16_t *restrict w, const float *restrict x, float *restrict y, int64_t n,
-                        int64_t k, int64_t m) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const uint16_t *wi = w + i * k;
-        int64_t r = 0;
-        for (; r + 4 <= m; r += 4) {
-            const float *x0 = x + r * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
-            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-            for (int64_t j = 0; j < k; j++) {
-                const float wj = bf16_to_f32(wi[j]);
-                a0 += wj * x0[j];
-                a1 += wj * x1[j];
-                a2 += wj * x2[j];
-                a3 += wj * x3[j];
-            }
-            y[r * n + i] = a0;
-            y[(r + 1) * n + i] = a1;
-            y[(r + 2) * n + i] = a2;
-            y[(r + 3) * n + i] = a3;
-        }
-        for (; r < m; r++) {
-            const float *xr = x + r * k;
-            float a = 0.0f;
-#pragma omp simd reduction(+ : a)
-            for (int64_t j = 0; j < k; j++) a += bf16_to_f32(wi[j]) * xr[j];
-            y[r * n + i] = a;
-        }
+/* y[m, n] = x[m, k] @ w[n, k]^T for a few rows (m small: speculative verification, small
+ * batches): each row of w is read once from memory and used for every row of x, four at a time. */
+#define DEFINE_GEMM_ROWS(NAME, W_T, LOAD)                                                             \
+    void NAME(const W_T *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t k, \
+              int64_t m) {                                                                            \
+        _Pragma("omp parallel for schedule(static)") for (int64_t i = 0; i < n; i++) {                 \
+            const W_T *wi = w + i * k;                                                                \
+            int64_t r = 0;                                                                            \
+            for (; r + 4 <= m; r += 4) {                                                              \
+                const float *x0 = x + r * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;                \
+                float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;                                     \
+                _Pragma("omp simd reduction(+ : a0, a1, a2, a3)") for (int64_t j = 0; j < k; j++) {    \
+                    const float wj = LOAD(wi[j]);                                                     \
+                    a0 += wj * x0[j];                                                                 \
+                    a1 += wj * x1[j];                                                                 \
+                    a2 += wj * x2[j];                                                                 \
+                    a3 += wj * x3[j];                                                                 \
+                }                                                                                     \
+                y[r * n + i] = a0;                                                                    \
+                y[(r + 1) * n + i] = a1;                                                              \
+                y[(r + 2) * n + i] = a2;                                                              \
+                y[(r + 3) * n + i] = a3;                                                              \
+            }                                                                                         \
+            for (; r < m; r++) {                                                                      \
+                const float *xr = x + r * k;                                                          \
+                float a = 0.0f;                                                                       \
+                _Pragma("omp simd reduction(+ : a)") for (int64_t j = 0; j < k; j++) a +=             \
+                    LOAD(wi[j]) * xr[j];                                                              \
+                y[r * n + i] = a;                                                                     \
+            }                                                                                         \
+        }                                                                                             \
     }
-}
+
+DEFINE_GEMV(gemv_f32, float, f32_to_f32)
+DEFINE_GEMV(gemv_bf16_f32, uint16_t, bf16_to_f32)
+DEFINE_GEMM_ROWS(gemm_rows_f32, float, f32_to_f32)
+DEFINE_GEMM_ROWS(gemm_rows_bf16_f32, uint16_t, bf16_to_f32)
