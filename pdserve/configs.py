@@ -79,7 +79,10 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, owner: str | None = Non
     for key, value in data.items():
         tp = hints[key]
         nested = _nested_dataclass(tp)
-        if nested is not None and isinstance(value, dict):
+        by_name = _dataclass_by_name(tp)
+        if by_name is not None and isinstance(value, dict):
+            value = {name: _section(by_name, item, f"{owner}.{key}.{name}") for name, item in value.items()}
+        elif nested is not None and isinstance(value, dict):
             value = from_dict(nested, value, f"{owner}.{key}")
         else:
             check_type(owner, key, value, tp)
@@ -94,6 +97,24 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, owner: str | None = Non
         if owner != leaf and message.startswith((leaf + ":", leaf + ".")):
             raise ConfigError(owner + message[len(leaf):]) from e
         raise
+
+
+def _section(cls: type[T], value: Any, owner: str) -> T:
+    if dataclasses.is_dataclass(value):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{owner}: expected a mapping of {cls.__name__}'s keys, got {type(value).__name__} {value!r}")
+    return from_dict(cls, value, owner)
+
+
+def _dataclass_by_name(tp: Any) -> type | None:
+    """``X`` for a ``dict[str, X]`` annotation whose values are config dataclasses (sections keyed by
+    a name the user picks, such as tenants), else None."""
+    if typing.get_origin(tp) is dict:
+        value_type = typing.get_args(tp)[1]
+        if dataclasses.is_dataclass(value_type):
+            return value_type
+    return None
 
 
 def _nested_dataclass(tp: Any) -> type | None:

@@ -4,6 +4,7 @@ One YAML document whose sections are the components' own config dataclasses::
 
     engine:        EngineConfig   (every worker)
     router:        RouterConfig   (dispatch policy, admission, conditional disaggregation)
+    auth:          AuthConfig     (API keys and the tenants they belong to; prefix-cache sharing)
     pools:         prefill/decode: replicas, Ray placement (num_cpus, num_gpus, resources), autoscaling
     kv_transfer:   backend and lease
     state_store:   StateStoreConfig (memory, or a shared Redis: worker registry, load, KV events)
@@ -28,6 +29,7 @@ from pdserve.cluster.autoscale import AutoscalingConfig
 from pdserve.configs import ConfigError, doc, from_dict
 from pdserve.engine.config import EngineConfig
 from pdserve.router.app import RouterConfig
+from pdserve.router.auth import AuthConfig
 from pdserve.state.store import StateStoreConfig
 
 
@@ -116,6 +118,8 @@ class KVTransferConfig:
 class ServeConfig:
     engine: EngineConfig = doc(default_factory=EngineConfig, help="the model engine of every worker")
     router: RouterConfig = doc(default_factory=RouterConfig, help="the OpenAI-compatible router")
+    auth: AuthConfig = doc(default_factory=AuthConfig, help="API keys and tenants (none: the API is open; the "
+                                                            "router listens on 127.0.0.1 unless told otherwise)")
     pools: PoolsConfig = doc(default_factory=PoolsConfig, help="worker pools and their sizes")
     kv_transfer: KVTransferConfig = doc(default_factory=KVTransferConfig, help="KV transfer between the pools")
     state_store: StateStoreConfig = doc(default_factory=StateStoreConfig,

@@ -404,16 +404,17 @@ class _RouterIngress:
     def __init__(self, cluster: dict, store=None, prefill=None, decode=None):
         from pdserve.engine.tokenizer import load_tokenizer
         from pdserve.router.app import Router
+        from pdserve.router.auth import Authenticator
         from pdserve.router.discovery import StoreDiscovery
         from pdserve.router.pool import WorkerPool
 
-        config = _config(cluster)
+        config = _config(cluster)  # keys as digests from pdserve serve; a keys_file (KubeRay) is read here
         rc = config.router
         pool = WorkerPool([], poll_interval_s=rc.poll_interval_s)
         discovery = StoreDiscovery(pool, _store_client(config, store), rc.poll_interval_s, config.state_store.ttl_s)
         waker = PoolWaker(config, {"prefill": prefill, "decode": decode})
         self.router = Router(config.router, pool, load_tokenizer(config.engine.model), config.engine.model, discovery,
-                             waker=waker)
+                             waker=waker, auth=Authenticator(config.auth.resolved()))
 
     def __serve_build_asgi_app__(self):
         return self.router.create_app()

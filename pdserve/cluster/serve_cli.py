@@ -22,6 +22,16 @@ def _serve_config(args: argparse.Namespace, **sections: dict):
     return load_serve_config(getattr(args, "config", None), {k: v for k, v in sections.items() if v})
 
 
+def _with_keys(cluster):
+    """The config with every API key read from where it was named and kept only as a digest (what
+    a router, a Ray replica included, is given)."""
+    return dataclasses.replace(cluster, auth=cluster.auth.resolved())
+
+
+def _auth_overrides(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in (("api_key", args.api_key), ("keys_file", args.api_keys_file)) if v}
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from pdserve.cluster.launcher import die_with_launcher
 
@@ -59,7 +69,7 @@ def _registration_options(store) -> dict:
 
 
 def _run_router(router_config, model: str, addresses: list[str], store=None, sock=None,
-                on_signal=None, grace_s: float = 30.0, ready_timeout_s: float | None = None) -> bool:
+                on_signal=None, grace_s: float = 30.0, ready_timeout_s: float | None = None, auth=None) -> bool:
     """Serve the router until a signal. With ``ready_timeout_s``, a thread prints the ready line once
     /ready answers 200, or gives up after that long and stops the server: then returns False."""
     import uvicorn
@@ -67,8 +77,11 @@ def _run_router(router_config, model: str, addresses: list[str], store=None, soc
     from pdserve.cluster.startup import RouterServer
     from pdserve.engine.tokenizer import load_tokenizer
     from pdserve.router.app import Router
+    from pdserve.router.auth import AuthConfig, Authenticator, warn_if_open
     from pdserve.router.pool import WorkerPool
 
+    authenticator = Authenticator(auth or AuthConfig())
+    warn_if_open(authenticator, router_config.host)
     pool = WorkerPool(addresses, poll_interval_s=router_config.poll_interval_s)
     discovery = None
     if store is not None and store.backend != "memory":
@@ -76,7 +89,7 @@ def _run_router(router_config, model: str, addresses: list[str], store=None, soc
         from pdserve.state.store import make_state_store
 
         discovery = StoreDiscovery(pool, make_state_store(store), router_config.poll_interval_s, store.ttl_s)
-    router = Router(router_config, pool, load_tokenizer(model), model, discovery)
+    router = Router(router_config, pool, load_tokenizer(model), model, discovery, auth=authenticator)
     server = RouterServer(uvicorn.Config(router.create_app(), host=router_config.host, port=router_config.port,
                                          log_level="warning", timeout_graceful_shutdown=grace_s), on_signal)
     log.info("router on http://%s:%d, workers: %s", router_config.host, router_config.port, ", ".join(addresses))
@@ -106,7 +119,8 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     engine = {"model": args.model} if args.model else {}
     store = {"backend": "redis", "url": args.redis} if args.redis else {}
-    cluster = _serve_config(args, router=collect_arguments(args, RouterConfig), engine=engine, state_store=store)
+    cluster = _with_keys(_serve_config(args, router=collect_arguments(args, RouterConfig), engine=engine,
+                                       state_store=store, auth=_auth_overrides(args)))
     if not args.worker and cluster.state_store.backend == "memory":
         raise ValueError("give the workers' addresses (--worker HOST:PORT) or a state store to find them in "
                          "(--redis URL, or state_store in --config)")
@@ -115,7 +129,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     sock = bind_port(cluster.router.host, cluster.router.port)
     on_stop_signals(_stop_now)
     try:
-        _run_router(cluster.router, cluster.engine.model, args.worker or [], cluster.state_store, sock=sock)
+        _run_router(cluster.router, cluster.engine.model, args.worker or [], cluster.state_store, sock=sock,
+                    auth=cluster.auth)
     finally:
         sock.close()
     return 0
@@ -129,7 +144,7 @@ def _serve_overrides(args: argparse.Namespace) -> dict:
     kv = {k: v for k, v in (("backend", args.kv_backend), ("lease_ms", args.kv_lease_ms)) if v is not None}
     store = {"backend": "redis", "url": args.redis} if args.redis else {}
     overrides = {"engine": collect_arguments(args, EngineConfig), "router": collect_arguments(args, RouterConfig),
-                 "pools": pools, "kv_transfer": kv, "state_store": store,
+                 "pools": pools, "kv_transfer": kv, "state_store": store, "auth": _auth_overrides(args),
                  "ray": {"address": args.ray_address} if args.ray_address else {}}
     if args.launcher:
         overrides["launcher"] = args.launcher
@@ -141,7 +156,19 @@ def _serve_overrides(args: argparse.Namespace) -> dict:
 def cmd_config_show(args: argparse.Namespace) -> int:
     from pdserve.cluster.config import to_yaml
 
-    print(to_yaml(_serve_config(args, **_serve_overrides(args))), end="")
+    print(to_yaml(_with_keys(_serve_config(args, **_serve_overrides(args)))), end="")
+    return 0
+
+
+def cmd_config_digest(args: argparse.Namespace) -> int:
+    import sys
+
+    from pdserve.router.auth import key_digest
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        raise ValueError("no API key on standard input")
+    print(key_digest(key))
     return 0
 
 
@@ -153,7 +180,7 @@ def _stop_now() -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    cluster = _serve_config(args, **_serve_overrides(args))  # validated before anything starts
+    cluster = _with_keys(_serve_config(args, **_serve_overrides(args)))  # validated before anything starts
     if cluster.launcher == "ray":
         return _serve_on_ray(cluster)
     return _serve_processes(cluster)
@@ -231,7 +258,7 @@ def _serve_processes(cluster) -> int:
         wait_ready(workers, timeout_s=cluster.ready_timeout_s)
         served = _run_router(cluster.router, cluster.engine.model, [w.address for w in workers], cluster.state_store,
                              sock=sock, on_signal=lambda: signal_workers(workers), grace_s=grace_s,
-                             ready_timeout_s=cluster.ready_timeout_s)
+                             ready_timeout_s=cluster.ready_timeout_s, auth=cluster.auth)
     finally:
         sock.close()
         stop_workers(workers, grace_s=grace_s + 5.0)  # signalled with the router: draining already
@@ -283,7 +310,17 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout-s", type=float, default=None, metavar="SECONDS",
                         help=f"{field_help(ServeConfig, 'ready_timeout_s')} (default: {ServeConfig.ready_timeout_s:g})")
     add_arguments(parser.add_argument_group("router"), RouterConfig)
+    _add_key_arguments(parser)
     add_arguments(parser.add_argument_group("engine (every worker)"), EngineConfig)
+
+
+def _add_key_arguments(parser: argparse.ArgumentParser) -> None:
+    from pdserve.configs import field_help
+    from pdserve.router.auth import AuthConfig
+
+    keys = parser.add_argument_group("API keys (auth: in --config for tenants)")
+    keys.add_argument("--api-key", metavar="KEY", default=None, help=field_help(AuthConfig, "api_key"))
+    keys.add_argument("--api-keys-file", metavar="FILE", default=None, help=field_help(AuthConfig, "keys_file"))
 
 
 def add_commands(sub) -> None:
@@ -310,6 +347,11 @@ def add_commands(sub) -> None:
                     "laid over the defaults), every default filled in. Exits 2 naming the key if it is invalid.")
     _add_cluster_arguments(show)
     show.set_defaults(func=cmd_config_show)
+    digest = config_sub.add_parser(
+        "digest", help="print the SHA-256 of an API key read from standard input",
+        description="For auth.tenants.<name>.key_sha256 and keys files (TENANT sha256:HEX): reads one API key "
+                    "from standard input (so it stays out of the shell's history) and prints its digest.")
+    digest.set_defaults(func=cmd_config_digest)
 
     router = sub.add_parser("router", help="run the router alone, in front of running workers",
                             description="The OpenAI-compatible router, dispatching to the given workers and "
@@ -322,6 +364,7 @@ def add_commands(sub) -> None:
                              f"else {EngineConfig.model})")
     router.add_argument("--config", metavar="FILE", help=CONFIG_HELP + " (reads the router and engine.model sections)")
     add_arguments(router, RouterConfig)
+    _add_key_arguments(router)
     router.set_defaults(func=cmd_router)
 
     worker = sub.add_parser("worker", help="run one worker alone",

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API in front of the workers.
 
-A request's path: body within the limit (413, router/asgi.py) -> validate (pydantic; 400 naming
+A request's path: its API key, when keys are configured (401; router/auth.py: the tenant, whose
+cache salt the request gets) -> body within the limit (413, router/asgi.py) -> validate (pydantic; 400 naming
 the field) -> known model (404) -> admission (429 with Retry-After) -> chat template and
 tokenizer -> context check (400 context_length_exceeded) -> one worker request per choice,
 dispatched (router/dispatcher.py: colocated or disaggregated, retries, migration; 503 when no
@@ -37,7 +38,8 @@ from pdserve.configs import doc
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.tokenizer import ModelTokenizer
 from pdserve.proto.v1 import worker_pb2 as pb
-from pdserve.router.asgi import body_limit, read_body, send_json, send_sse
+from pdserve.router.asgi import body_limit, header, read_body, send_json, send_sse
+from pdserve.router.auth import OPEN, AuthConfig, Authenticator, Tenant, Unauthorized
 from pdserve.router.cost import CostModel
 from pdserve.router.discovery import StoreDiscovery
 from pdserve.router.dispatcher import Dispatcher
@@ -117,8 +119,9 @@ _INLINE_BODY_BYTES = 2048
 
 class Router:
     def __init__(self, config: RouterConfig, pool: WorkerPool, tokenizer: ModelTokenizer, model_spec: str,
-                 discovery: StoreDiscovery | None = None, waker=None):
+                 discovery: StoreDiscovery | None = None, waker=None, auth: Authenticator | None = None):
         self.config = config
+        self.auth = auth or Authenticator(AuthConfig())  # no keys: open (the router listens on loopback)
         self.pool = pool
         self.discovery = discovery  # workers joining and leaving through the state store
         self.tokenizer = tokenizer
@@ -221,11 +224,20 @@ class Router:
                  "/tokenize": self._tokenize, "/detokenize": self._detokenize}
 
         async def asgi(scope, receive, send):
+            tenant = OPEN
+            if scope["type"] == "http" and self.auth.needs_key(scope["path"]):
+                try:
+                    tenant = self.auth.tenant(header(scope, b"authorization"))
+                except Unauthorized as e:
+                    await self._send_error(scope, send, OpenAIError(
+                        401, str(e), type="invalid_request_error", code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"}))
+                    return
             # The endpoints that take a body are served as plain ASGI: per streamed token, the
             # framework's middleware stack cost as much as the rest of the router together, and
             # bodies are read within the limit and parsed off the loop (router/asgi.py).
             if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in plain:
-                await self._plain_endpoint(plain[scope["path"]], scope, receive, send)
+                await self._plain_endpoint(plain[scope["path"]], scope, receive, send, tenant)
             else:
                 await app(scope, receive, send)
 
@@ -243,20 +255,23 @@ class Router:
         self.metrics.requests.labels(request.url.path, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    async def _plain_endpoint(self, handler, scope, receive, send) -> None:
-        """Read the body (within the limit), answer with ``handler(body)``: JSON, or SSE to stream."""
+    async def _plain_endpoint(self, handler, scope, receive, send, tenant: Tenant) -> None:
+        """Read the body (within the limit), answer with ``handler(body, tenant)``: JSON, or SSE to stream."""
         try:
             raw = await read_body(scope, receive, self.body_limit)
-            answer = await handler(raw)
+            answer = await handler(raw, tenant)
         except OpenAIError as e:
-            self.metrics.errors.labels(e.code or e.type).inc()
-            self.metrics.requests.labels(scope["path"], str(e.status)).inc()
-            await send_json(send, e.status, e.body(), e.headers)
+            await self._send_error(scope, send, e)
             return
         if isinstance(answer, dict):
             await send_json(send, 200, answer)
         else:
             await send_sse(send, receive, answer)
+
+    async def _send_error(self, scope, send, e: OpenAIError) -> None:
+        self.metrics.errors.labels(e.code or e.type).inc()
+        self.metrics.requests.labels(scope["path"], str(e.status)).inc()
+        await send_json(send, e.status, e.body(), e.headers)
 
     def _refresh_worker_gauges(self) -> None:
         m = self.metrics
@@ -270,19 +285,19 @@ class Router:
 
     # ---- serving ----------------------------------------------------------------------------
 
-    async def _generate(self, kind: str, model, raw: bytes) -> dict | AsyncIterator[bytes]:
+    async def _generate(self, kind: str, model, raw: bytes, tenant: Tenant) -> dict | AsyncIterator[bytes]:
         started = time.perf_counter()
         body = await self._off_loop(len(raw), parse_body, model, raw)
-        return await self._serve(kind, body, len(raw), started)
+        return await self._serve(kind, body, len(raw), started, tenant)
 
-    async def _tokenize(self, raw: bytes) -> dict:
+    async def _tokenize(self, raw: bytes, _tenant: Tenant) -> dict:
         body = await self._off_loop(len(raw), parse_tokenize, raw)
         self._check_model(body.model)
         answer = await self._off_loop(len(raw), tokenize, self.tokenizer, body, self.max_model_len)
         self.metrics.requests.labels("/tokenize", "200").inc()
         return answer
 
-    async def _detokenize(self, raw: bytes) -> dict:
+    async def _detokenize(self, raw: bytes, _tenant: Tenant) -> dict:
         body = await self._off_loop(len(raw), parse_body, DetokenizeRequest, raw)
         self._check_model(body.model)
         answer = await self._off_loop(len(raw), detokenize, self.tokenizer, body)
@@ -302,7 +317,7 @@ class Router:
                               headers={"Retry-After": str(self.config.retry_after_s)})
 
     async def _serve(self, kind: str, body: ChatCompletionRequest | CompletionRequest, size: int,
-                     started: float) -> dict | AsyncIterator[bytes]:
+                     started: float, tenant: Tenant = OPEN) -> dict | AsyncIterator[bytes]:
         """The JSON response, or the SSE body to stream; errors before any output raise OpenAIError."""
         endpoint = f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}"
         self._admit(body)
@@ -312,7 +327,7 @@ class Router:
         try:
             params, prompts = await self._off_loop(size, self._prepare, kind, body)
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-            choices, requests = self._requests(rid, body, params, prompts)
+            choices, requests = self._requests(rid, body, params, prompts, tenant.cache_salt(body.cache_salt))
             stream = _merge([self.dispatcher.run(r) for r in requests])
             first = await self._first(stream)  # errors before any output become HTTP statuses
         except BaseException:
@@ -336,9 +351,9 @@ class Router:
             await stream.aclose()
 
     @staticmethod
-    def _requests(rid: str, body, params: SamplingParams,
-                  prompts: list[tuple[list[int], str]]) -> tuple[list[Choice], list[pb.GenerateRequest]]:
-        """One choice and one worker request per (prompt, sample)."""
+    def _requests(rid: str, body, params: SamplingParams, prompts: list[tuple[list[int], str]],
+                  cache_salt: str) -> tuple[list[Choice], list[pb.GenerateRequest]]:
+        """One choice and one worker request per (prompt, sample); ``cache_salt``: the tenant's."""
         choices, requests = [], []
         for p, (ids, prefix) in enumerate(prompts):
             for j in range(params.n):
@@ -347,7 +362,7 @@ class Router:
                 choices.append(Choice(index, prefix=prefix, prompt_ids=echo_ids))
                 seed = None if params.seed is None else params.seed + j
                 requests.append(pb.GenerateRequest(
-                    request_id=f"{rid}-{index}", prompt_token_ids=ids, cache_salt=body.cache_salt or "",
+                    request_id=f"{rid}-{index}", prompt_token_ids=ids, cache_salt=cache_salt,
                     sampling=sampling_to_proto(params.replace(n=1, seed=seed))))
         return choices, requests
 

@@ -42,6 +42,14 @@ def _too_large(size: int, limit: int, declared: bool) -> OpenAIError:
                             f"length, or --max-body-bytes)", code="request_too_large")
 
 
+def header(scope, name: bytes) -> str | None:
+    """A request header's value (``name`` lowercase, as ASGI gives names), None when absent."""
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
 def content_length(scope) -> int | None:
     """The declared body size, None when not declared (chunked); a malformed one is a 400."""
     for name, value in scope.get("headers", ()):

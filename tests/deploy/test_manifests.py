@@ -54,6 +54,9 @@ MODES = {
     "external-redis": {"redis": {"url": "redis://redis.example:6379/2"},
                        "config": {"state_store": {"ttl_s": 10.0, "namespace": "pdserve-a"}}},
     "ray-redis": {"ray": {"enabled": True}, "redis": {"enabled": True}},
+    "api-keys": {"auth": {"apiKeys": {"acme": "sk-demo-acme", "globex": "sk-demo-globex"}},
+                 "config": {"auth": {"tenants": {"acme": {"cache_group": "support"}}}}},
+    "ray-api-keys": {"ray": {"enabled": True}, "auth": {"existingSecret": "my-keys"}},
 }
 
 
@@ -64,6 +67,8 @@ BAD_VALUES = {
     "autoscaling-key-typo": ({"pools": {"prefill": {"autoscaling": {"min_replica": 0}}}}, "min_replica"),
     "unknown-section": ({"rayy": {"enabled": True}}, "rayy"),
     "bad-auth-mode": ({"ray": {"authMode": "tokn"}}, "authMode"),
+    "api-keys-typo": ({"auth": {"apikeys": {"a": "k"}}}, "apikeys"),
+    "api-key-empty": ({"auth": {"apiKeys": {"a": ""}}}, "apiKeys"),
 }
 
 # Helm runs in a child process: its Go runtime stays out of the test process (signals, threads, forks).
@@ -355,6 +360,40 @@ def test_chart_renders_valid_objects(helm_out, mode, tmp_path):
         assert kinds.count("RayService") == 1 and "StatefulSet" not in kinds
     else:
         check_plain_mode(objs, config)
+
+
+@pytest.mark.parametrize("mode", ["api-keys", "ray-api-keys", "default"])
+def test_api_keys_reach_the_router_as_a_mounted_file(helm_out, mode, tmp_path):
+    """With keys, the cluster YAML names the keys file and the pod running the router mounts the Secret
+    holding it (the chart's own from apiKeys, or existingSecret); the keys file's lines are what
+    pdserve reads. Without keys nothing of the kind renders."""
+    objs = objects(helm_out, mode)
+    (configmap,) = [o for o in objs if o["kind"] == "ConfigMap"]
+    config = check_cluster_yaml(configmap["data"]["cluster.yaml"], tmp_path)
+    secrets = [o for o in objs if o["kind"] == "Secret"]
+    if mode == "default":
+        assert not secrets and config.auth.keys_file == "" and not config.auth.enabled
+        return
+    assert config.auth.keys_file == "/etc/pdserve-auth/keys"
+    if mode == "api-keys":
+        (secret,) = secrets
+        name = secret["metadata"]["name"]
+        keys = tmp_path / "keys"
+        keys.write_text(secret["stringData"]["keys"])
+        auth = dataclasses.replace(config.auth, keys_file=str(keys)).resolved({})
+        assert set(auth.tenants) == {"acme", "globex"} and auth.tenants["acme"].cache_group == "support"
+        (pod,) = [o["spec"]["template"]["spec"] for o, c in containers(objs) if c["name"] == "router"]
+    else:
+        assert not secrets  # the operator's own
+        name = "my-keys"
+        (service,) = [o for o in objs if o["kind"] == "RayService"]
+        pod = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+        app = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]
+        assert load_serve_config(None, app["args"]["cluster"]).auth == config.auth
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "api-keys"]
+    assert volume["secret"]["secretName"] == name
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "api-keys"]
+    assert mount["mountPath"] == "/etc/pdserve-auth"
 
 
 def check_plain_mode(objs: list[dict], config: ServeConfig) -> None:

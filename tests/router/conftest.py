@@ -32,13 +32,13 @@ def in_rotation(role: str, max_model_len: int = 8192) -> WorkerHandle:
 
 @pytest.fixture
 def make_client(tokenizer):
-    """``make_client(workers, **config)``: an httpx client on a Router over those worker handles."""
+    """``make_client(workers, auth=None, **config)``: an httpx client on a Router over those worker handles."""
     clients = []
 
-    def make(workers: list[WorkerHandle] = (), waker=None, **config) -> httpx.AsyncClient:
+    def make(workers: list[WorkerHandle] = (), waker=None, auth=None, **config) -> httpx.AsyncClient:
         pool = WorkerPool([])
         pool.workers = list(workers)
-        router = Router(RouterConfig(**config), pool, tokenizer, MODEL, waker=waker)
+        router = Router(RouterConfig(**config), pool, tokenizer, MODEL, waker=waker, auth=auth)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=router.create_app()), base_url="http://router")
         clients.append(client)
         return client

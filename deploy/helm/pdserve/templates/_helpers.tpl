@@ -65,8 +65,24 @@ prometheus.io/path: /metrics
 {{- end }}
 
 {{/* The cluster YAML (pdserve/cluster/config.py: ServeConfig) the processes read. */}}
+{{/*
+The Secret holding the API keys file (auth.existingSecret, or the one made from auth.apiKeys); empty: no keys.
+*/}}
+{{- define "pdserve.authSecret" -}}
+{{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecret }}
+{{- else if .Values.auth.apiKeys }}{{ include "pdserve.fullname" . }}-api-keys
+{{- end }}
+{{- end }}
+
+{{/* Where the router's pod mounts that Secret. */}}
+{{- define "pdserve.authDir" -}}/etc/pdserve-auth{{- end }}
+
 {{- define "pdserve.clusterConfig" -}}
 {{- $config := deepCopy .Values.config }}
+{{- if (include "pdserve.authSecret" .) }}
+{{- $_ := set $config "auth" (merge (dict "keys_file" (printf "%s/keys" (include "pdserve.authDir" .)))
+                                    ($config.auth | default dict)) }}
+{{- end }}
 {{- $_ := set $config "pools" (dict "prefill" (dict "replicas" (int .Values.pools.prefill.replicas))
                                     "decode" (dict "replicas" (int .Values.pools.decode.replicas))) }}
 {{- with (include "pdserve.redisUrl" .) }}
