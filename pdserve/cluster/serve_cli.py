@@ -181,6 +181,9 @@ def _stop_now() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cluster = _with_keys(_serve_config(args, **_serve_overrides(args)))  # validated before anything starts
+    from pdserve import cluster_token
+
+    cluster_token.ensure_token()  # this cluster's gRPC secret: the workers and the router inherit it
     if cluster.launcher == "ray":
         return _serve_on_ray(cluster)
     return _serve_processes(cluster)

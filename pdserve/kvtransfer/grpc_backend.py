@@ -15,6 +15,7 @@ from concurrent.futures import Future
 import grpc
 import torch
 
+from pdserve import cluster_token
 from pdserve.kvtransfer.base import KVLayout, SenderContext, checksum, tensor_bytes
 from pdserve.kvtransfer.faults import KVFaults
 from pdserve.proto.v1 import worker_pb2 as pb
@@ -41,7 +42,7 @@ class GrpcSender:
 
     def stub(self, address: str) -> pb_grpc.WorkerStub:
         if address not in self._stubs:
-            self._stubs[address] = pb_grpc.WorkerStub(grpc.aio.insecure_channel(address, options=_OPTIONS))
+            self._stubs[address] = pb_grpc.WorkerStub(cluster_token.channel(address, options=_OPTIONS))
         return self._stubs[address]
 
     def open(self, destination: pb.ReserveResponse, layout: KVLayout, total_tokens: int) -> GrpcSession:

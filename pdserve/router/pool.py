@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve import cluster_token
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.router.policy import WorkerLoad
@@ -179,6 +180,6 @@ class WorkerPool:
 
 
 def _open(w: WorkerHandle) -> None:
-    w.channel = grpc.aio.insecure_channel(w.address, options=_CHANNEL_OPTIONS)
+    w.channel = cluster_token.channel(w.address, options=_CHANNEL_OPTIONS)  # with the cluster token, if any
     w.stub = pb_grpc.WorkerStub(w.channel)
     w.down.set()

@@ -25,6 +25,7 @@ import uuid
 
 import grpc
 
+from pdserve.cluster_token import server_interceptors
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
@@ -65,7 +66,8 @@ class WorkerServer:
         (default: the Redis of ``config.redis``, or none)."""
         config, role = self.config, self.servicer_cls.role
         self.engine.start()
-        server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        server = grpc.aio.server(interceptors=server_interceptors(config.host),  # the cluster token, if any
+                                 options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                           ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         worker_id = config.worker_id or f"{role}-{config.host}-{port}-{uuid.uuid4().hex[:4]}"

@@ -370,7 +370,7 @@ def test_api_keys_reach_the_router_as_a_mounted_file(helm_out, mode, tmp_path):
     objs = objects(helm_out, mode)
     (configmap,) = [o for o in objs if o["kind"] == "ConfigMap"]
     config = check_cluster_yaml(configmap["data"]["cluster.yaml"], tmp_path)
-    secrets = [o for o in objs if o["kind"] == "Secret"]
+    secrets = [o for o in objs if o["kind"] == "Secret" and not o["metadata"]["name"].endswith("-cluster-token")]
     if mode == "default":
         assert not secrets and config.auth.keys_file == "" and not config.auth.enabled
         return
@@ -394,6 +394,45 @@ def test_api_keys_reach_the_router_as_a_mounted_file(helm_out, mode, tmp_path):
     assert volume["secret"]["secretName"] == name
     (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "api-keys"]
     assert mount["mountPath"] == "/etc/pdserve-auth"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_pdserve_process_holds_the_cluster_token(helm_out, mode):
+    """The workers' gRPC secret (pdserve/cluster_token.py) reaches every container that runs pdserve
+    (router, workers; with Ray the head and both worker groups) from one Secret: the chart's own,
+    random, unless the values name one."""
+    import base64
+
+    objs = objects(helm_out, mode)
+    pods = [o["spec"]["template"]["spec"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")
+            and o["spec"]["template"]["spec"]["containers"][0]["name"] in ("router", "prefill", "decode")]
+    for service in (o for o in objs if o["kind"] == "RayService"):
+        cluster = service["spec"]["rayClusterConfig"]
+        pods += [cluster["headGroupSpec"]["template"]["spec"]]
+        pods += [group["template"]["spec"] for group in cluster["workerGroupSpecs"]]
+    assert pods
+    names = set()
+    for pod in pods:
+        (env,) = [e for e in pod["containers"][0]["env"] if e["name"] == "PDSERVE_CLUSTER_TOKEN"]
+        names.add(env["valueFrom"]["secretKeyRef"]["name"])
+        assert env["valueFrom"]["secretKeyRef"]["key"] == "token"
+    (name,) = names
+    (secret,) = [o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == name]
+    assert len(base64.b64decode(secret["data"]["token"])) == 48
+
+
+def test_a_named_cluster_token_secret_is_used_not_made():
+    proc = subprocess.run([sys.executable, "-c", HELM_SCRIPT], capture_output=True, text=True, timeout=120,
+                          input=json.dumps({"chart": str(CHART), "namespace": NAMESPACE,
+                                            "kube_version": f"v{K8S_VERSION}.0",
+                                            "renders": {"named": [{"clusterToken": {"existingSecret": "ops-token"}},
+                                                                  "demo"]}}))
+    assert proc.returncode == 0, proc.stderr
+    objs = objects(json.loads(proc.stdout), "named")
+    assert not [o for o in objs if o["kind"] == "Secret"]
+    (router,) = [c for o, c in containers(objs) if c["name"] == "router"]
+    (env,) = [e for e in router["env"] if e["name"] == "PDSERVE_CLUSTER_TOKEN"]
+    assert env["valueFrom"]["secretKeyRef"]["name"] == "ops-token"
 
 
 def check_plain_mode(objs: list[dict], config: ServeConfig) -> None:

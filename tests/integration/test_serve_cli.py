@@ -130,7 +130,33 @@ def test_workers_do_not_import_a_pdserve_folder_in_the_working_directory(tmp_pat
     entry_point = os.path.join(os.path.dirname(sys.executable), "pdserve")
     proc, url = start_serve("--prefill", "1", cwd=str(tmp_path), command=[entry_point])
     try:
-        complete(url, "hello " * 40)  # long enough for the prefill worker
+        complete(url, "hello " * 300)  # long enough for the prefill worker (128 tokens and more)
+    finally:
+        stop(proc, signal.SIGTERM, "pid")
+    assert proc.returncode == 0
+
+
+def test_served_workers_take_calls_only_with_the_cluster_token():
+    """pdserve serve makes a cluster token (cluster_token.py): the router and the prefill worker pushing
+    KV hold it (a long prompt is prefilled remotely and served), a caller without it is refused
+    UNAUTHENTICATED by every worker."""
+    import grpc
+
+    from pdserve.proto.v1 import worker_pb2 as pb
+    from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
+
+    proc, url = start_serve("--prefill", "1")
+    try:
+        complete(url, "hello " * 300)
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert any(line.startswith('pdserve_router_prefill_decisions_total{outcome="remote"} 1')
+                   for line in metrics.splitlines()), "the long prompt was not prefilled remotely"
+        workers = httpx.get(url + "/ready", timeout=10).json()["workers"]
+        assert len(workers) == 2
+        for worker in workers:
+            with grpc.insecure_channel(worker["address"]) as channel, pytest.raises(grpc.RpcError) as e:
+                pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, worker
     finally:
         stop(proc, signal.SIGTERM, "pid")
     assert proc.returncode == 0

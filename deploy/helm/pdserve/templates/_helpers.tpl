@@ -74,6 +74,18 @@ The Secret holding the API keys file (auth.existingSecret, or the one made from 
 {{- end }}
 {{- end }}
 
+{{/* The Secret holding the workers' gRPC token (clusterToken.existingSecret, or the chart's own). */}}
+{{- define "pdserve.clusterTokenSecret" -}}
+{{- .Values.clusterToken.existingSecret | default (printf "%s-cluster-token" (include "pdserve.fullname" .)) }}
+{{- end }}
+
+{{/* The environment variable every pdserve process reads the token from (pdserve/cluster_token.py). */}}
+{{- define "pdserve.clusterTokenEnv" -}}
+- name: PDSERVE_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "pdserve.clusterTokenSecret" . }}, key: token}
+{{- end }}
+
 {{/* Where the router's pod mounts that Secret. */}}
 {{- define "pdserve.authDir" -}}/etc/pdserve-auth{{- end }}
 

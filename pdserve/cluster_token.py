@@ -1,0 +1,140 @@
+"""The cluster's shared secret on the workers' gRPC: only callers holding it may call a worker.
+
+Every process of a cluster (the router, the workers, a prefill worker pushing KV to a decode
+worker) reads the token from ``PDSERVE_CLUSTER_TOKEN``. ``pdserve serve`` makes one per cluster
+when the environment has none and hands it to what it starts (child processes inherit it; Ray
+replicas get it in their runtime environment); on Kubernetes it comes from a Secret. A worker
+holding a token answers any call whose ``authorization`` metadata is not ``Bearer TOKEN`` with
+UNAUTHENTICATED, whatever the method (Generate, Abort, Drain, Reserve, PushKV, ...). Clients send
+it on every call through ``channel``. Without a token the workers' gRPC is open, as before, and a
+worker listening beyond loopback says so at start.
+
+This protects the control and data plane from callers on the network that do not hold the
+secret; it does not encrypt: traffic between nodes wants TLS as well (not built yet).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import os
+import secrets
+from collections.abc import Mapping, Sequence
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
+_HEADER = "authorization"
+
+
+def token(environ: Mapping[str, str] | None = None) -> str | None:
+    """This process's cluster token; None when the cluster runs without one."""
+    return (os.environ if environ is None else environ).get(TOKEN_ENV) or None
+
+
+def ensure_token() -> str:
+    """The cluster token, made (and put in this process's environment, for what it starts) when absent."""
+    if not token():
+        os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)
+    return os.environ[TOKEN_ENV]
+
+
+class TokenCheck(grpc.aio.ServerInterceptor):
+    """Server side: a call without the token ends UNAUTHENTICATED before reaching the servicer."""
+
+    def __init__(self, expected: str):
+        self._expected = f"Bearer {expected}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        presented = next((v for k, v in handler_call_details.invocation_metadata or () if k == _HEADER), "")
+        if hmac.compare_digest(presented.encode() if isinstance(presented, str) else presented, self._expected):
+            return handler
+        return _refusing(handler, handler_call_details.method)
+
+
+def _refusing(handler, method: str):
+    """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED."""
+    message = f"{method}: this worker wants the cluster token ({TOKEN_ENV}) in the call's authorization metadata"
+
+    async def refuse(_request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def refuse_stream(_request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - a generator, as a streaming handler must be
+
+    if handler is None:
+        return None
+    kind = (handler.request_streaming, handler.response_streaming)
+    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return make[kind](refuse_stream if kind[1] else refuse, request_deserializer=handler.request_deserializer,
+                      response_serializer=handler.response_serializer)
+
+
+def _with_token(details: grpc.aio.ClientCallDetails, pair: tuple[str, str]) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*(details.metadata or ()), pair)
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                      details.wait_for_ready)
+
+
+# One class per kind of call: a channel files each interceptor under the first kind it is an
+# instance of, so one class of all four would see unary calls only.
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, pair):
+        self.pair = pair
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(_with_token(client_call_details, self.pair), request)
+
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, pair):
+        self.pair = pair
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(_with_token(client_call_details, self.pair), request)
+
+
+class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, pair):
+        self.pair = pair
+
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_token(client_call_details, self.pair), request_iterator)
+
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, pair):
+        self.pair = pair
+
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return await continuation(_with_token(client_call_details, self.pair), request_iterator)
+
+
+def channel(address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """A channel to a worker that sends this process's cluster token (if any) with every call."""
+    value = token()
+    pair = (_HEADER, f"Bearer {value}")
+    senders = [kind(pair) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)] if value else None
+    return grpc.aio.insecure_channel(address, options=list(options), interceptors=senders)
+
+
+def server_interceptors(host: str) -> list[grpc.aio.ServerInterceptor]:
+    """A worker server's interceptors: the token check when the cluster has a token; without one,
+    a word at start about who can call it."""
+    value = token()
+    if value:
+        return [TokenCheck(value)]
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        log.warning("no cluster token (%s): this worker's gRPC on %s takes calls from anyone who can reach it "
+                    "(generate, abort, drain, KV pushes)", TOKEN_ENV, host)
+    return []
