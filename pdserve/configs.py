@@ -104,7 +104,12 @@ def _section(cls: type[T], value: Any, owner: str) -> T:
         return value
     if not isinstance(value, dict):
         raise ConfigError(f"{owner}: expected a mapping of {cls.__name__}'s keys, got {type(value).__name__} {value!r}")
-    return from_dict(cls, value, owner)
+    try:
+        return from_dict(cls, value, owner)
+    except ConfigError as e:  # the section's own check names its key only: give the full path
+        if str(e).startswith(owner):
+            raise
+        raise ConfigError(f"{owner}.{e}") from e
 
 
 def _dataclass_by_name(tp: Any) -> type | None:

@@ -40,6 +40,7 @@ from pdserve.engine.tokenizer import ModelTokenizer
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.asgi import body_limit, header, read_body, send_json, send_sse
 from pdserve.router.auth import OPEN, AuthConfig, Authenticator, Tenant, Unauthorized
+from pdserve.router.budgets import Budgets, RateLimited, Reservation
 from pdserve.router.cost import CostModel
 from pdserve.router.discovery import StoreDiscovery
 from pdserve.router.dispatcher import Dispatcher
@@ -91,7 +92,8 @@ class RouterConfig:
                                       "push it out; 0: off")
     policy_temperature: float = doc(0.0, "cache_aware: 0 picks the least cost (ties at random); above 0, a softmax "
                                          "over -cost / temperature spreads requests over near-equal workers")
-    max_concurrent_requests: int = doc(512, "admission limit: past this many requests in flight, answer 429")
+    max_concurrent_requests: int = doc(512, "admission limit: past this many sequences in flight (each request's "
+                                            "prompts x n; one being tokenised counts one), answer 429")
     retry_after_s: int = doc(1, "Retry-After seconds sent with a 429")
     poll_interval_s: float = doc(0.5, "how often worker load snapshots and health are read")
     disagg_min_prompt_tokens: int = doc(128, "prompts shorter than this are prefilled on the decode worker "
@@ -122,6 +124,7 @@ class Router:
                  discovery: StoreDiscovery | None = None, waker=None, auth: Authenticator | None = None):
         self.config = config
         self.auth = auth or Authenticator(AuthConfig())  # no keys: open (the router listens on loopback)
+        self.budgets = Budgets(self.auth.limits)  # per tenant, reserved at admission
         self.pool = pool
         self.discovery = discovery  # workers joining and leaving through the state store
         self.tokenizer = tokenizer
@@ -144,7 +147,7 @@ class Router:
                                      self.metrics, waker=waker, wait_for_worker_s=config.startup_wait_s,
                                      stream_idle_timeout_s=config.stream_idle_timeout_s, index=self.prefix_index,
                                      cost_model=config.cost_model(), recent_routes_s=recent_s)
-        self.inflight = 0
+        self.inflight = 0  # sequences (prompts x n) admitted and not finished, for max_concurrent_requests
         self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                             thread_name_prefix="router-prepare")
 
@@ -309,36 +312,64 @@ class Router:
             raise OpenAIError(404, f"model {model!r} does not exist; served: {self.model_name!r}",
                               type="not_found_error", param="model", code="model_not_found")
 
-    def _admit(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+    def _admit(self, body: ChatCompletionRequest | CompletionRequest, tenant: Tenant) -> None:
+        """Before tokenising: the model, room under the router's cap, the tenant's request budget."""
         self._check_model(body.model)
-        if self.inflight >= self.config.max_concurrent_requests:
-            raise OpenAIError(429, f"too many requests in flight ({self.inflight}); retry shortly",
+        self._check_room(1)
+        try:
+            self.budgets.admit(tenant.name)
+        except RateLimited as e:
+            raise _rate_limited(e) from None
+
+    def _check_room(self, sequences: int) -> None:
+        if self.inflight and self.inflight + sequences > self.config.max_concurrent_requests:
+            raise OpenAIError(429, f"too many sequences in flight ({self.inflight}, and this request's {sequences}; "
+                                   f"the limit is {self.config.max_concurrent_requests}); retry shortly",
                               type="rate_limit_error", code="rate_limit_exceeded",
                               headers={"Retry-After": str(self.config.retry_after_s)})
+
+    def _reserve(self, tenant: Tenant, params: SamplingParams, prompts: list[tuple[list[int], str]],
+                 sequences: int) -> Reservation | None:
+        """The tenant's tokens (prompt tokens + max_tokens x n; unset: what the context leaves) and
+        sequences, held until the request ends."""
+        limit = self.max_model_len or 0
+        tokens = sum(len(ids) + params.n * (params.max_tokens or max(limit - len(ids), 0)) for ids, _ in prompts)
+        try:
+            return self.budgets.reserve(tenant.name, tokens, sequences)
+        except RateLimited as e:
+            raise _rate_limited(e) from None
 
     async def _serve(self, kind: str, body: ChatCompletionRequest | CompletionRequest, size: int,
                      started: float, tenant: Tenant = OPEN) -> dict | AsyncIterator[bytes]:
         """The JSON response, or the SSE body to stream; errors before any output raise OpenAIError."""
         endpoint = f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}"
-        self._admit(body)
-        self.inflight += 1  # from admission on, so that requests being tokenised count too
+        self._admit(body, tenant)
+        held, reservation = 1, None  # from admission on one sequence, so that requests being tokenised count
+        self.inflight += held
         self.metrics.in_flight.inc()
         stream = None
         try:
             params, prompts = await self._off_loop(size, self._prepare, kind, body)
+            sequences = len(prompts) * params.n
+            self.inflight -= held  # this request's own placeholder does not count against it
+            held = 0
+            self._check_room(sequences)
+            reservation = self._reserve(tenant, params, prompts, sequences)
+            self.inflight += sequences
+            held = sequences
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             choices, requests = self._requests(rid, body, params, prompts, tenant.cache_salt(body.cache_salt))
             stream = _merge([self.dispatcher.run(r) for r in requests])
             first = await self._first(stream)  # errors before any output become HTTP statuses
         except BaseException:
-            self._done()
+            self._done(held, reservation, used_tokens=0)
             if stream is not None:
                 await stream.aclose()
             raise
         fmt = Formatter(self.tokenizer, rid, body.model, chat=kind == "chat")
         want_logprobs = (body.logprobs if kind == "chat" else body.logprobs is not None)
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
-        run = _Run(self, fmt, choices, want_logprobs, prompt_tokens, started, endpoint, params.n)
+        run = _Run(self, fmt, choices, want_logprobs, prompt_tokens, started, endpoint, params.n, reservation)
         if body.stream:
             body_iter = run.sse(first, stream, bool(body.stream_options and body.stream_options.include_usage))
             # A client gone before the first byte: the body is never iterated, its finally never
@@ -416,9 +447,14 @@ class Router:
         except InvalidRequestError as e:
             raise OpenAIError(400, str(e), param=e.field, code=e.code) from e
 
-    def _done(self) -> None:
-        self.inflight -= 1
+    def _done(self, sequences: int, reservation: Reservation | None, used_tokens: int) -> None:
+        self.inflight -= sequences
         self.metrics.in_flight.dec()
+        self.budgets.release(reservation, used_tokens)
+
+
+def _rate_limited(e: RateLimited) -> OpenAIError:
+    return OpenAIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded", headers=e.headers)
 
 
 def readiness(pool: WorkerPool, waker) -> tuple[bool, str]:
@@ -439,8 +475,10 @@ class _Run:
     """One HTTP request being answered: its choices, timings and metrics."""
 
     def __init__(self, router: Router, fmt: Formatter, choices: list[Choice], want_logprobs: bool,
-                 prompt_tokens: int, started: float, endpoint: str, n: int = 1):
+                 prompt_tokens: int, started: float, endpoint: str, n: int = 1,
+                 reservation: Reservation | None = None):
         self.router, self.fmt, self.choices = router, fmt, choices
+        self.reservation = reservation
         self.want_logprobs, self.prompt_tokens = want_logprobs, prompt_tokens
         self.started, self.endpoint, self.n = started, endpoint, n
         # Each choice's prefix hit, from its first message: the worker that computed its prompt
@@ -492,7 +530,8 @@ class _Run:
             m.generation_tokens.inc(len(c.token_ids))
             if len(c.token_ids) > 1 and c.first_token_at is not None:
                 m.tpot.observe((c.last_token_at - c.first_token_at) / (len(c.token_ids) - 1))
-        self.router._done()
+        generated = sum(len(c.token_ids) for c in self.choices)
+        self.router._done(len(self.choices), self.reservation, self.prompt_tokens + generated)
 
     async def collect(self, first, stream) -> dict:
         status = 200

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdserve.configs import ConfigError, doc
+from pdserve.router.budgets import Limits
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def key_digest(key: str) -> str:
 
 @dataclass(frozen=True)
 class TenantConfig:
-    """One tenant: its keys and what it may share. (Limits and service tiers are its own too.)"""
+    """One tenant: its keys, what it may share, and its budgets (router/budgets.py; 0: no limit)."""
 
     key_sha256: list[str] = doc(default_factory=list, help="SHA-256 digests (hex) of this tenant's API keys "
                                                            "(`pdserve config digest` prints one)")
@@ -57,6 +58,20 @@ class TenantConfig:
                                                         "read and hashed when pdserve starts")
     cache_group: str = doc("", "tenants naming the same group share prefix-cache entries (say, a common system "
                                "prompt); empty: the tenant's own")
+    requests_per_minute: int = doc(0, "requests this tenant may send per minute (refilled continuously); past it, "
+                                      "429 with Retry-After; 0: no limit")
+    tokens_per_minute: int = doc(0, "tokens per minute, reserved when a request is admitted (prompt tokens + "
+                                    "max_tokens x n) and given back unused when it ends; 0: no limit")
+    max_concurrent_sequences: int = doc(0, "sequences (prompts x n) this tenant may have in flight at once; "
+                                           "0: no limit")
+
+    def __post_init__(self) -> None:
+        for key in ("requests_per_minute", "tokens_per_minute", "max_concurrent_sequences"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}: must not be negative, got {getattr(self, key)}")
+
+    def limits(self) -> Limits:
+        return Limits(self.requests_per_minute, self.tokens_per_minute, self.max_concurrent_sequences)
 
 
 @dataclass(frozen=True)
@@ -109,8 +124,8 @@ class AuthConfig:
                 if owner.setdefault(digest, name) != name:
                     raise ConfigError(f"auth: one API key is listed for two tenants ({owner[digest]!r} and "
                                       f"{name!r})")
-        tenants = {name: TenantConfig(key_sha256=sorted(set(keys)),
-                                      cache_group=self.tenants[name].cache_group if name in self.tenants else "")
+        tenants = {name: dataclasses.replace(self.tenants.get(name, TenantConfig()), key_sha256=sorted(set(keys)),
+                                             key_env=[])
                    for name, keys in digests.items()}
         return dataclasses.replace(self, api_key="", keys_file="", tenants=tenants)
 
@@ -167,6 +182,7 @@ class Authenticator:
     def __init__(self, config: AuthConfig):
         self.enabled = config.enabled
         self.metrics_open = config.metrics_open
+        self.limits = {name: t.limits() for name, t in config.tenants.items()}  # router/budgets.py
         self._digests = [(bytes.fromhex(d), Tenant(name, t.cache_group or name))
                          for name, t in config.tenants.items() for d in t.key_sha256]
         if config.api_key or config.keys_file or any(t.key_env for t in config.tenants.values()):

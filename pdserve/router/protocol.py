@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 
+# Every step checks each unfinished request's new text against its stop strings: bounded here.
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
 
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -71,6 +75,10 @@ class _Sampling(BaseModel):
             raise ValueError(f"service_tier: {self.service_tier!r} is not served; use 'auto' or 'default'")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("stop: at most 4 stop sequences")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stops()):
+            raise ValueError(f"stop: each stop sequence is at most {MAX_STOP_CHARS} characters")
+        if self.stop_token_ids and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
