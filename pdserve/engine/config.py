@@ -207,6 +207,9 @@ class EngineConfig:
     max_model_len: int | None = doc(None, "longest prompt + output in tokens (default: the model's context)")
     max_num_batched_tokens: int = doc(2048, "token budget of one engine step (prefill chunks plus decodes)")
     max_num_seqs: int = doc(64, "cap on requests running at once")
+    scheduling_policy: Literal["fcfs", "priority"] = doc(
+        "fcfs", "fcfs: admit in arrival order, preempt the latest admitted; priority: admit by (priority, arrival), "
+                "preempt the lowest class first (the router sets priority from service_tier)")
     enable_prefix_caching: bool = doc(True, "reuse the KV of full blocks shared with earlier prompts")
     seed: int = doc(0, "seed for random weights and for sampling of requests without their own seed")
     num_threads: int | None = doc(None, "torch intra-op threads (default: torch's choice, one per core)")

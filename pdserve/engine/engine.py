@@ -123,7 +123,8 @@ class LLMEngine:
             raise InvalidRequestError("kv_cache_memory_gb", f"{config.kv_cache_memory_gb} GiB holds no block")
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                  self.loaded.fingerprint)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.scheduling_policy)
         self.runner = ModelRunner(
             self.loaded.model, num_blocks, config.block_size, config.seed, config.attention_backend,
             config.kv_cache_dtype,

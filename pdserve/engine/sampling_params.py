@@ -38,6 +38,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs too (and this many top ones at each)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = 0  # scheduling class under scheduling_policy=priority: lower is served first (vLLM's)
     extra: dict = field(default_factory=dict, compare=False)  # opaque to the engine
 
     def __post_init__(self) -> None:

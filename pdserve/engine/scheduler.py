@@ -2,14 +2,20 @@
 
 There is no prefill phase and no decode phase. Each step, every running request asks for the
 tokens it has not computed yet (one for a decoding request, a chunk for a prompt), within a
-token budget; then waiting requests are admitted FCFS while budget, blocks and the cap on
-running requests allow. When a running request cannot get a block, the most recently admitted
-running request is preempted: its blocks are freed and it recomputes later (its prefix may
-still be in the cache).
+token budget; then waiting requests are admitted in order while budget, blocks and the cap on
+running requests allow. When a running request cannot get a block, another running request is
+preempted: its blocks are freed and it recomputes later (its prefix may still be in the cache).
+
+Two policies (``scheduling_policy``, as vLLM's): ``fcfs`` admits in arrival order and preempts the
+most recently admitted request; ``priority`` keeps the waiting queue ordered by (priority,
+arrival), lower first, and preempts the running request of the lowest class (the highest
+priority value; the latest arrival among equals), so a ``flex`` request gives way to a
+``priority`` one under memory pressure.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -82,8 +88,12 @@ class Scheduler:
         kv: KVCacheManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        policy: str = "fcfs",
     ):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: {policy!r} is not fcfs or priority")
         self.kv = kv
+        self.policy = policy
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, Request] = {}
@@ -99,7 +109,23 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    @staticmethod
+    def _order(request: Request) -> tuple[int, float]:
+        return request.sampling_params.priority, request.arrival_time
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: at the back (fcfs; ``front``: a preempted request, at the head),
+        or at its place by (priority, arrival) (priority: a preempted request keeps its arrival,
+        so it goes ahead of later ones of its class)."""
+        if self.policy == "priority":
+            keys = [self._order(r) for r in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, self._order(request)), request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def reserve_remote_kv(self, request: Request) -> list[int] | None:
         """Reserve blocks for a prompt whose KV will be written from outside; None if no room.
@@ -127,7 +153,7 @@ class Scheduler:
             request.num_computed_tokens = request.num_prompt_tokens
             self.kv.cache_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self._enqueue(request)
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -139,8 +165,11 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_spec = self._spec_slots(request, budget)
-            if not self._allocate_or_preempt(request, num_new + num_spec, out):
-                break  # the request itself was preempted: nothing behind it is left
+            preempted, before = self._allocate_or_preempt(request, num_new + num_spec, out)
+            i -= before  # preempted requests ahead of it in the list: it moved up
+            if preempted:
+                continue  # it gave its own blocks back (fcfs: it was the last; priority: the lowest class)
+            budget = self.max_num_batched_tokens - out.num_tokens  # a preempted one's tokens came back
             out.scheduled.append(self._take(request, num_new, num_spec))
             budget -= num_new + num_spec
             i += 1
@@ -159,14 +188,31 @@ class Scheduler:
                 k = min(k, limit - request.num_output_tokens - 1)
         return max(k, 0)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> tuple[bool, int]:
+        """Room for ``request``'s tokens, preempting others until there is. (whether ``request``
+        itself was preempted, how many preempted requests stood before it in ``running``)."""
+        before = 0
         while self.kv.allocate_slots(request, num_new) is None:
-            victim = self.running.pop()
+            victim = self._victim()
+            if victim is not request and self.running.index(victim) < self.running.index(request):
+                before += 1
+            self.running.remove(victim)
+            for j, item in enumerate(out.scheduled):  # already given a share of this step: taken back
+                if item.request is victim:
+                    del out.scheduled[j]
+                    break
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
             if victim is request:
-                return False
-        return True
+                return True, before
+        return False, before
+
+    def _victim(self) -> Request:
+        """The running request to preempt: the most recently admitted (fcfs), or the lowest class's
+        latest arrival (priority)."""
+        if self.policy == "priority":
+            return max(self.running, key=self._order)
+        return self.running[-1]
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         bs = self.kv.block_size
@@ -230,7 +276,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         if requeue:
-            self.waiting.appendleft(request)
+            self._enqueue(request, front=True)
 
     def update(self, sched: SchedulerOutput, model_out: ModelOutput) -> list[CoreOutput]:
         """Append sampled tokens, apply token-level stops, free what finished."""

@@ -38,6 +38,7 @@ from pdserve.configs import doc
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.tokenizer import ModelTokenizer
 from pdserve.proto.v1 import worker_pb2 as pb
+from pdserve.router.admission import TIER_CLASS, Admission, Refused
 from pdserve.router.asgi import body_limit, header, read_body, send_json, send_sse
 from pdserve.router.auth import OPEN, AuthConfig, Authenticator, Tenant, Unauthorized
 from pdserve.router.budgets import Budgets, RateLimited, Reservation
@@ -95,6 +96,10 @@ class RouterConfig:
     max_concurrent_requests: int = doc(512, "admission limit: past this many sequences in flight (each request's "
                                             "prompts x n; one being tokenised counts one), answer 429")
     retry_after_s: int = doc(1, "Retry-After seconds sent with a 429")
+    queue_size: int = doc(0, "requests that may wait, in all service classes together, when max_concurrent_requests "
+                             "is reached (priority first, then default, then flex; a full queue sheds flex first); "
+                             "0: answer 429 at once")
+    queue_timeout_s: float = doc(30.0, "how long a request may wait in the queue before its 429")
     poll_interval_s: float = doc(0.5, "how often worker load snapshots and health are read")
     disagg_min_prompt_tokens: int = doc(128, "prompts shorter than this are prefilled on the decode worker "
                                               "(conditional disaggregation)")
@@ -147,7 +152,7 @@ class Router:
                                      self.metrics, waker=waker, wait_for_worker_s=config.startup_wait_s,
                                      stream_idle_timeout_s=config.stream_idle_timeout_s, index=self.prefix_index,
                                      cost_model=config.cost_model(), recent_routes_s=recent_s)
-        self.inflight = 0  # sequences (prompts x n) admitted and not finished, for max_concurrent_requests
+        self.admission = Admission(config.max_concurrent_requests, config.queue_size, config.queue_timeout_s)
         self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                             thread_name_prefix="router-prepare")
 
@@ -312,21 +317,23 @@ class Router:
             raise OpenAIError(404, f"model {model!r} does not exist; served: {self.model_name!r}",
                               type="not_found_error", param="model", code="model_not_found")
 
-    def _admit(self, body: ChatCompletionRequest | CompletionRequest, tenant: Tenant) -> None:
-        """Before tokenising: the model, room under the router's cap, the tenant's request budget."""
+    async def _admit(self, body: ChatCompletionRequest | CompletionRequest, tenant: Tenant) -> tuple[str, int]:
+        """Before tokenising: the model, the service class the tenant may use, its request budget, then
+        room for the request's sequences (waiting in its class's queue). (tier, sequences)"""
         self._check_model(body.model)
-        self._check_room(1)
+        tier = service_tier(body, tenant)
         try:
             self.budgets.admit(tenant.name)
         except RateLimited as e:
             raise _rate_limited(e) from None
-
-    def _check_room(self, sequences: int) -> None:
-        if self.inflight and self.inflight + sequences > self.config.max_concurrent_requests:
-            raise OpenAIError(429, f"too many sequences in flight ({self.inflight}, and this request's {sequences}; "
-                                   f"the limit is {self.config.max_concurrent_requests}); retry shortly",
-                              type="rate_limit_error", code="rate_limit_exceeded",
-                              headers={"Retry-After": str(self.config.retry_after_s)})
+        sequences = body.n * (len(body.prompts()) if isinstance(body, CompletionRequest) else 1)
+        try:
+            await self.admission.acquire(sequences, TIER_CLASS[tier])
+        except Refused as e:
+            self.metrics.errors.labels(f"refused_{tier}").inc()
+            raise OpenAIError(429, f"{e}; retry shortly", type="rate_limit_error", code="rate_limit_exceeded",
+                              headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        return tier, sequences
 
     def _reserve(self, tenant: Tenant, params: SamplingParams, prompts: list[tuple[list[int], str]],
                  sequences: int) -> Reservation | None:
@@ -343,30 +350,24 @@ class Router:
                      started: float, tenant: Tenant = OPEN) -> dict | AsyncIterator[bytes]:
         """The JSON response, or the SSE body to stream; errors before any output raise OpenAIError."""
         endpoint = f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}"
-        self._admit(body, tenant)
-        held, reservation = 1, None  # from admission on one sequence, so that requests being tokenised count
-        self.inflight += held
+        tier, sequences = await self._admit(body, tenant)  # its sequences are held from here to its end
+        reservation = None
         self.metrics.in_flight.inc()
         stream = None
         try:
             params, prompts = await self._off_loop(size, self._prepare, kind, body)
-            sequences = len(prompts) * params.n
-            self.inflight -= held  # this request's own placeholder does not count against it
-            held = 0
-            self._check_room(sequences)
+            params = params.replace(priority=body.priority if body.priority is not None else TIER_CLASS[tier])
             reservation = self._reserve(tenant, params, prompts, sequences)
-            self.inflight += sequences
-            held = sequences
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             choices, requests = self._requests(rid, body, params, prompts, tenant.cache_salt(body.cache_salt))
             stream = _merge([self.dispatcher.run(r) for r in requests])
             first = await self._first(stream)  # errors before any output become HTTP statuses
         except BaseException:
-            self._done(held, reservation, used_tokens=0)
+            self._done(sequences, reservation, used_tokens=0)
             if stream is not None:
                 await stream.aclose()
             raise
-        fmt = Formatter(self.tokenizer, rid, body.model, chat=kind == "chat")
+        fmt = Formatter(self.tokenizer, rid, body.model, chat=kind == "chat", service_tier=tier)
         want_logprobs = (body.logprobs if kind == "chat" else body.logprobs is not None)
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
         run = _Run(self, fmt, choices, want_logprobs, prompt_tokens, started, endpoint, params.n, reservation)
@@ -448,9 +449,25 @@ class Router:
             raise OpenAIError(400, str(e), param=e.field, code=e.code) from e
 
     def _done(self, sequences: int, reservation: Reservation | None, used_tokens: int) -> None:
-        self.inflight -= sequences
+        self.admission.release(sequences)
         self.metrics.in_flight.dec()
         self.budgets.release(reservation, used_tokens)
+
+
+def service_tier(body: ChatCompletionRequest | CompletionRequest, tenant: Tenant) -> str:
+    """The service class a request is served in: its ``service_tier`` (``auto``: default), if its
+    tenant may use it, with vLLM's ``priority`` no more urgent than the tenant's best class."""
+    tier = "default" if body.service_tier in (None, "auto") else body.service_tier
+    allowed = tenant.service_tiers
+    if tier not in allowed:
+        raise OpenAIError(400, f"service_tier: {tier!r} is not open to this API key; it may use "
+                               f"{sorted(allowed, key=TIER_CLASS.get)}", param="service_tier",
+                          code="service_tier_not_allowed")
+    best = min(TIER_CLASS[t] for t in allowed)
+    if body.priority is not None and body.priority < best:
+        raise OpenAIError(400, f"priority: {body.priority} is more urgent than this API key's best class ({best}: "
+                               f"priority 0, default 1, flex 2; lower is sooner)", param="priority")
+    return tier
 
 
 def _rate_limited(e: RateLimited) -> OpenAIError:

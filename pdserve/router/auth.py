@@ -37,6 +37,7 @@ from pdserve.router.budgets import Limits
 log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"  # the tenant of api_key / PDSERVE_API_KEY
+TIERS = ("priority", "default", "flex")  # service classes, most urgent first (router/admission.py)
 API_KEY_ENV = "PDSERVE_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/ready"})
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -64,11 +65,17 @@ class TenantConfig:
                                     "max_tokens x n) and given back unused when it ends; 0: no limit")
     max_concurrent_sequences: int = doc(0, "sequences (prompts x n) this tenant may have in flight at once; "
                                            "0: no limit")
+    service_tiers: list[str] = doc(default_factory=lambda: ["default", "flex"],
+                                   help="the service_tier values this tenant may ask for (priority, default, flex; "
+                                        "auto is default): a client cannot raise its own class")
 
     def __post_init__(self) -> None:
         for key in ("requests_per_minute", "tokens_per_minute", "max_concurrent_sequences"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must not be negative, got {getattr(self, key)}")
+        unknown = sorted(set(self.service_tiers) - set(TIERS))
+        if unknown or not self.service_tiers:
+            raise ConfigError(f"service_tiers: {unknown or 'none'} given; allowed: {list(TIERS)} (at least one)")
 
     def limits(self) -> Limits:
         return Limits(self.requests_per_minute, self.tokens_per_minute, self.max_concurrent_sequences)
@@ -159,6 +166,7 @@ def _read_keys_file(path: str) -> list[tuple[str, str]]:
 class Tenant:
     name: str  # "" without keys configured
     cache_group: str
+    service_tiers: frozenset[str] = frozenset(TIERS)
 
     def cache_salt(self, client_salt: str | None) -> str:
         """The salt a worker hashes this request's blocks under: the tenant's group, then the client's
@@ -169,7 +177,7 @@ class Tenant:
         return f"tenant:{len(self.cache_group)}:{self.cache_group}:{client_salt or ''}"
 
 
-OPEN = Tenant("", "")
+OPEN = Tenant("", "")  # without keys: one tenant, every service tier
 
 
 class Unauthorized(Exception):
@@ -183,7 +191,7 @@ class Authenticator:
         self.enabled = config.enabled
         self.metrics_open = config.metrics_open
         self.limits = {name: t.limits() for name, t in config.tenants.items()}  # router/budgets.py
-        self._digests = [(bytes.fromhex(d), Tenant(name, t.cache_group or name))
+        self._digests = [(bytes.fromhex(d), Tenant(name, t.cache_group or name, frozenset(t.service_tiers)))
                          for name, t in config.tenants.items() for d in t.key_sha256]
         if config.api_key or config.keys_file or any(t.key_env for t in config.tenants.values()):
             raise ValueError("Authenticator needs AuthConfig.resolved(): keys only as digests")

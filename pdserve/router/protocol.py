@@ -66,13 +66,14 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    priority: int | None = None  # vLLM's: the engine's scheduling order (lower first), within what the key allows
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         if self.logit_bias:
             raise ValueError("logit_bias: not supported")
-        if self.service_tier not in (None, "auto", "default"):  # tiers are not served differently yet
-            raise ValueError(f"service_tier: {self.service_tier!r} is not served; use 'auto' or 'default'")
+        if self.service_tier == "scale":
+            raise ValueError("service_tier: 'scale' is not served; use auto, default, flex or priority")
         if isinstance(self.stop, list) and len(self.stop) > 4:
             raise ValueError("stop: at most 4 stop sequences")
         if any(len(s) > MAX_STOP_CHARS for s in self.stops()):

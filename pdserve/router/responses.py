@@ -81,8 +81,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 class Formatter:
     """Turns choices into one endpoint's response shapes."""
 
-    def __init__(self, tokenizer: ModelTokenizer, request_id: str, model: str, chat: bool):
+    def __init__(self, tokenizer: ModelTokenizer, request_id: str, model: str, chat: bool,
+                 service_tier: str | None = None):
         self.tokenizer = tokenizer
+        self.service_tier = service_tier  # the class the request was served in, echoed as OpenAI does
         self.id = request_id
         self.model = model
         self.chat = chat
@@ -90,7 +92,10 @@ class Formatter:
         self._heads: dict[int, bytes] = {}
 
     def _base(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        base = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        if self.service_tier is not None:
+            base["service_tier"] = self.service_tier
+        return base
 
     # ---- logprobs ---------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens, stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         skip_special_tokens=p.skip_special_tokens, include_stop_str_in_output=p.include_stop_str_in_output,
+        priority=p.priority,
     )
     if p.seed is not None:
         msg.seed = p.seed

@@ -21,7 +21,7 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
         stop=tuple(m.stop), stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
         logprobs=m.logprobs if m.HasField("logprobs") else None, skip_special_tokens=m.skip_special_tokens,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
-        include_stop_str_in_output=m.include_stop_str_in_output,
+        include_stop_str_in_output=m.include_stop_str_in_output, priority=m.priority,
     )
 
 

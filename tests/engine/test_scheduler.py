@@ -184,3 +184,52 @@ def test_prefill_rate_is_measured_from_steps_computing_prompts(make_engine):
     steps = list(engine._prefill_steps)
     assert [n for n, _ in steps] == [3 * PREFILL_RATE_MIN_TOKENS]
     assert engine.stats().prefill_tokens_per_s == steps[0][0] / steps[0][1] > 0
+
+
+def _with_priority(priority: int, max_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, priority=priority)
+
+
+def test_priority_policy_admits_by_class_then_arrival(make_engine):
+    order = {}
+    for policy in ("fcfs", "priority"):
+        engine = make_engine(max_num_seqs=1, scheduling_policy=policy)
+        for rid, priority in (("flex", 2), ("default", 1), ("priority", 0), ("priority-later", 0)):
+            engine.add_request(rid, list(range(100, 120)), _with_priority(priority, max_tokens=2))
+        finished = []
+        while engine.has_unfinished():
+            finished += [out.request_id for out in engine.step() if out.finished]
+        order[policy] = finished
+    assert order["fcfs"] == ["flex", "default", "priority", "priority-later"]
+    assert order["priority"] == ["priority", "priority-later", "default", "flex"]
+
+
+def test_priority_policy_preempts_the_lowest_class_and_outputs_stay_exact(make_engine):
+    """Three requests on too few blocks: under fcfs the latest admitted ('late', class 0) gives way;
+    under priority the flex one (class 2) does, though admitted before it. Tokens equal each alone."""
+    ps = {"early": list(range(1000, 1030)), "flex": list(range(2000, 2030)), "late": list(range(3000, 3030))}
+    classes = {"early": 0, "flex": 2, "late": 0}
+    alone = {}
+    for rid, p in ps.items():
+        reference = make_engine()
+        reference.add_request(rid, p, _with_priority(classes[rid], max_tokens=40))
+        alone[rid] = run_to_completion(reference)[rid]
+    preemptions = {}
+    for policy in ("fcfs", "priority"):
+        engine = make_engine(num_kv_blocks=9, scheduling_policy=policy)  # 3 x (30 + 40) tokens need 15 blocks
+        requests = {}
+        for rid, p in ps.items():
+            engine.add_request(rid, p, _with_priority(classes[rid], max_tokens=40))
+            requests[rid] = engine.scheduler.requests[rid]
+        assert run_to_completion(engine) == alone
+        preemptions[policy] = {rid: r.num_preemptions for rid, r in requests.items()}
+    assert preemptions["fcfs"]["late"] > 0
+    assert preemptions["priority"]["flex"] > 0 and preemptions["priority"]["early"] == 0
+    assert preemptions["priority"]["late"] <= preemptions["fcfs"]["late"]
+
+
+def test_an_unknown_scheduling_policy_is_refused(make_engine):
+    import pytest
+
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        make_engine(scheduling_policy="lifo")

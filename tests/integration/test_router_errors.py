@@ -50,8 +50,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, code:
         ({"model": MODEL, "messages": HI, "logit_bias": {"1": 5}}, "logit_bias"),
         ({"model": MODEL, "messages": HI, "response_format": {"type": "json_schema"}}, "response_format"),
         ({"model": MODEL, "messages": HI, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"model": MODEL, "messages": HI, "service_tier": "flex"}, "service_tier"),
-        ({"model": MODEL, "messages": HI, "service_tier": "priority"}, "service_tier"),
+        ({"model": MODEL, "messages": HI, "service_tier": "scale"}, "service_tier"),
     ],
 )
 def test_bad_chat_requests_are_400_naming_the_field(served, body, param):

@@ -41,7 +41,7 @@ def test_every_source_of_keys_ends_as_digests_only(tmp_path):
 def test_api_key_flag_makes_one_default_tenant():
     auth = resolved(api_key="sk-one")
     assert auth.enabled and list(auth.tenants) == ["default"]
-    assert Authenticator(auth).tenant("Bearer sk-one") == Tenant("default", "default")
+    assert Authenticator(auth).tenant("Bearer sk-one") == Tenant("default", "default", frozenset({"default", "flex"}))
 
 
 @pytest.mark.parametrize("auth, environ, message", [
