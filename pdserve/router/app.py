@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 
-from pdserve.configs import doc
+from pdserve.configs import ConfigError, doc
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.tokenizer import ModelTokenizer
 from pdserve.proto.v1 import worker_pb2 as pb
@@ -65,6 +65,21 @@ from pdserve.router.tokenization import detokenize, tokenize
 from pdserve.router.worker_client import NoWorkerError, WorkerLostError, sampling_to_proto
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    """A service class's latency objective, per request: both must hold (p90 attainment is the share met)."""
+
+    ttft_ms: float = doc(1000.0, "time to first token, milliseconds")
+    tpot_ms: float = doc(100.0, "time per output token of every choice (2+ tokens), milliseconds")
+
+    def __post_init__(self) -> None:
+        if self.ttft_ms <= 0 or self.tpot_ms <= 0:
+            raise ConfigError(f"ttft_ms and tpot_ms: must be positive, got {self.ttft_ms} and {self.tpot_ms}")
+
+    def met(self, ttft_s: float | None, tpots_s: list[float]) -> bool:
+        return ttft_s is not None and ttft_s * 1000 <= self.ttft_ms and all(t * 1000 <= self.tpot_ms for t in tpots_s)
 
 
 @dataclass(frozen=True)
@@ -110,8 +125,16 @@ class RouterConfig:
     max_batch: int = doc(1024, "most completions one request may ask for (prompts x n); past it, a 400")
     startup_wait_s: float = doc(60.0, "how long a request waits for a decode worker when none is in rotation "
                                       "(the first still starting) before a 503; /ready answers 503 meanwhile")
+    slo: dict[str, SLOConfig] = doc(default_factory=dict, help="per service class (priority, default, flex): its "
+                                                               "ttft_ms and tpot_ms; pdserve_router_slo_requests "
+                                                               "counts requests that met it (YAML only)")
     stream_idle_timeout_s: float = doc(60.0, "a worker stream that sends nothing for this long after its first "
                                              "token is given up: the request continues on another decode worker")
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.slo) - set(TIER_CLASS))
+        if unknown:
+            raise ConfigError(f"router.slo: {unknown} are not service classes; allowed: {list(TIER_CLASS)}")
 
     def cost_model(self) -> CostModel:
         return CostModel(self.cost_prefill_tokens_per_s, self.cost_decode_step_s, self.cost_decode_step_s_per_seq,
@@ -370,7 +393,7 @@ class Router:
         fmt = Formatter(self.tokenizer, rid, body.model, chat=kind == "chat", service_tier=tier)
         want_logprobs = (body.logprobs if kind == "chat" else body.logprobs is not None)
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
-        run = _Run(self, fmt, choices, want_logprobs, prompt_tokens, started, endpoint, params.n, reservation)
+        run = _Run(self, fmt, choices, want_logprobs, prompt_tokens, started, endpoint, params.n, reservation, tier)
         if body.stream:
             body_iter = run.sse(first, stream, bool(body.stream_options and body.stream_options.include_usage))
             # A client gone before the first byte: the body is never iterated, its finally never
@@ -493,9 +516,9 @@ class _Run:
 
     def __init__(self, router: Router, fmt: Formatter, choices: list[Choice], want_logprobs: bool,
                  prompt_tokens: int, started: float, endpoint: str, n: int = 1,
-                 reservation: Reservation | None = None):
+                 reservation: Reservation | None = None, tier: str = "default"):
         self.router, self.fmt, self.choices = router, fmt, choices
-        self.reservation = reservation
+        self.reservation, self.tier = reservation, tier
         self.want_logprobs, self.prompt_tokens = want_logprobs, prompt_tokens
         self.started, self.endpoint, self.n = started, endpoint, n
         # Each choice's prefix hit, from its first message: the worker that computed its prompt
@@ -518,6 +541,7 @@ class _Run:
             if self.first_at is None:
                 self.first_at = now
                 m.ttft.observe(now - self.started)
+                m.class_ttft.labels(self.tier).observe(now - self.started)
             elif previous is not None:
                 m.itl.observe(now - previous)
         return c, text, lps, offset
@@ -543,10 +567,18 @@ class _Run:
         m.e2e.observe(end - self.started)
         m.requests.labels(self.endpoint, str(status)).inc()
         m.prompt_tokens.inc(self.prompt_tokens)
+        tpots = []
         for c in self.choices:
             m.generation_tokens.inc(len(c.token_ids))
             if len(c.token_ids) > 1 and c.first_token_at is not None:
-                m.tpot.observe((c.last_token_at - c.first_token_at) / (len(c.token_ids) - 1))
+                tpots.append((c.last_token_at - c.first_token_at) / (len(c.token_ids) - 1))
+                m.tpot.observe(tpots[-1])
+                m.class_tpot.labels(self.tier).observe(tpots[-1])
+        slo = self.router.config.slo.get(self.tier)
+        if slo is not None:
+            ttft = None if self.first_at is None else self.first_at - self.started
+            met = status == 200 and slo.met(ttft, tpots)
+            m.slo_requests.labels(self.tier, "yes" if met else "no").inc()
         generated = sum(len(c.token_ids) for c in self.choices)
         self.router._done(len(self.choices), self.reservation, self.prompt_tokens + generated)
 

@@ -34,6 +34,14 @@ class RouterMetrics:
         self.tpot = Histogram("pdserve_router_time_per_output_token_seconds",
                               "(end-to-end - TTFT) / (output tokens - 1), per choice of 2+ tokens",
                               buckets=TOKEN_BUCKETS, registry=r)
+        self.class_ttft = Histogram("pdserve_router_class_time_to_first_token_seconds", "TTFT by service class "
+                                    "(service_tier served: priority, default, flex)", ["tier"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.class_tpot = Histogram("pdserve_router_class_time_per_output_token_seconds", "TPOT by service class",
+                                    ["tier"], buckets=TOKEN_BUCKETS, registry=r)
+        self.slo_requests = Counter("pdserve_router_slo_requests", "Requests of a class with an SLO (router.slo), "
+                                    "by whether they met it (met: yes / no; a failed request did not); attainment "
+                                    "= yes / (yes + no)", ["tier", "met"], registry=r)
         self.e2e = Histogram("pdserve_router_e2e_request_latency_seconds", "Request received to last byte sent",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens of answered requests",

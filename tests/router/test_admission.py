@@ -165,3 +165,34 @@ def test_unknown_tiers_in_a_tenant_are_refused_naming_the_key():
 
     with pytest.raises(ConfigError, match=r"config.auth.tenants.t.service_tiers: \['gold'\]"):
         load_serve_config(None, {"auth": {"tenants": {"t": {"service_tiers": ["gold", "default"]}}}})
+
+
+def test_per_class_latency_and_slo_attainment_are_counted(make_client):
+    from pdserve.router.app import SLOConfig
+
+    worker = in_rotation("decode")
+    worker.stub = _Recorder()
+    client = make_client([worker], slo={"default": SLOConfig(ttft_ms=60_000, tpot_ms=60_000),
+                                        "flex": SLOConfig(ttft_ms=1e-6, tpot_ms=60_000)})
+    for tier in ("default", "flex", "flex", "priority"):
+        r = run(client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 1,
+                                                     "service_tier": tier}))
+        assert r.status_code == 200 and r.json()["service_tier"] == tier
+    text = run(client.get("/metrics")).text
+
+    def value(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
+                   or line.startswith(name + "{") and not line.startswith("#"))
+
+    assert value('pdserve_router_slo_requests_total{met="yes",tier="default"}') == 1
+    assert value('pdserve_router_slo_requests_total{met="no",tier="flex"}') == 2  # an SLO no request meets
+    assert 'tier="priority"' not in "".join(line for line in text.splitlines() if "slo_requests" in line)
+    assert value('pdserve_router_class_time_to_first_token_seconds_count{tier="flex"}') == 2
+
+
+def test_slo_classes_must_be_service_classes():
+    from pdserve.cluster.config import load_serve_config
+    from pdserve.configs import ConfigError
+
+    with pytest.raises(ConfigError, match=r"router.slo: \['gold'\] are not service classes"):
+        load_serve_config(None, {"router": {"slo": {"gold": {"ttft_ms": 100}}}})
