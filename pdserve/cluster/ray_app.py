@@ -491,6 +491,6 @@ def build_app(args: dict):
     router = RouterDeployment.options(num_replicas=config.ray.router_replicas,
                             ray_actor_options={"num_cpus": config.ray.router_num_cpus, "runtime_env": {
                                 "env_vars": _replica_env(config.ray.metrics_interval_s, cluster_token.token())}},
-                            max_ongoing_requests=config.router.max_concurrent_requests + 64,
+                            max_ongoing_requests=config.router.max_concurrent_requests + config.router.queue_size + 64,
                             graceful_shutdown_timeout_s=30.0)
     return router.bind(cluster, store, handles.get("prefill"), handles.get("decode"))
