@@ -32,6 +32,9 @@ Faults:
   stream goes on without a gap or a repeat;
 - no decode worker in rotation yet (start-up): a request waits up to ``wait_for_worker_s`` for
   one (or, with a waker, its pool's cold-start bound);
+- every decode worker a request tried failed before streaming (one was lost while the others were
+  out of rotation for a moment, as a busy machine's missed polls take them): it waits up to
+  ``wait_for_worker_s`` for one it has not tried (a replacement, or one back in rotation);
 - transfer faults (a dropped, corrupt or stalled transfer) are the decode worker's to handle:
   it computes the prompt itself when the KV does not land within its lease.
 Each fault is counted by reason and logged with the request id.
@@ -170,7 +173,12 @@ class Dispatcher:
         tried: set[str] = set()
         await self._await_decode_worker()
         while True:
-            worker = self._pick("decode", self.decode_policy, tried, route)
+            try:
+                worker = self._pick("decode", self.decode_policy, tried, route)
+            except NoWorkerError:
+                if not tried or not await self._another_decode_worker(request, tried):
+                    raise
+                continue
             started = False
             route.predicted_cached = _predicted(route.req, worker)
             try:
@@ -196,6 +204,15 @@ class Dispatcher:
             await self.pool.wait_for("decode", self.waker.timeouts["decode"])
         elif self.wait_for_worker_s > 0:
             await self.pool.wait_for("decode", self.wait_for_worker_s)
+
+    async def _another_decode_worker(self, request: pb.GenerateRequest, tried: set[str]) -> bool:
+        """Every decode worker this request tried failed and none other is in rotation: wait up to
+        ``wait_for_worker_s`` for one it has not tried; whether one came."""
+        if self.wait_for_worker_s <= 0:
+            return False
+        log.warning("request %s: every decode worker in rotation failed (%s); waiting up to %.0f s for another",
+                    request.request_id, ", ".join(sorted(tried)), self.wait_for_worker_s)
+        return await self.pool.wait_for("decode", self.wait_for_worker_s, exclude=tried)
 
     async def _generate(self, worker: WorkerHandle, request: pb.GenerateRequest,
                         prefill_tokens: int) -> AsyncIterator[pb.GenerateResponse]:

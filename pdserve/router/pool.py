@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import grpc
@@ -153,11 +153,12 @@ class WorkerPool:
             except Exception:  # a listener's failure must not change the rotation
                 log.exception("rotation listener failed")
 
-    async def wait_for(self, role: str, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for a worker of ``role`` in rotation; whether there is one."""
+    async def wait_for(self, role: str, timeout_s: float, exclude: Collection[str] = ()) -> bool:
+        """Wait up to ``timeout_s`` for a worker of ``role`` in rotation (one whose id is not in
+        ``exclude``); whether there is one."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not self.healthy(role):
+        while not [w for w in self.healthy(role) if w.worker_id not in exclude]:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return False

@@ -40,6 +40,7 @@ def make_client(tokenizer):
         pool.workers = list(workers)
         router = Router(RouterConfig(**config), pool, tokenizer, MODEL, waker=waker, auth=auth)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=router.create_app()), base_url="http://router")
+        client.router = router  # for tests that act on its pool
         clients.append(client)
         return client
 

@@ -1,0 +1,79 @@
+"""A request whose decode workers all failed before streaming, while the rest were out of rotation for
+a moment (a killed replica, and a busy machine's missed polls taking the other out): it waits for a
+worker it has not tried instead of answering 503 at once. A Router in this process over scripted
+workers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from pdserve.proto.v1 import worker_pb2 as pb
+from pdserve.router.pool import WorkerHandle
+from tests.router.conftest import MODEL, in_rotation, run
+
+
+class _Call:
+    def __init__(self, messages=(), error: grpc.StatusCode | None = None):
+        self.messages, self.error = list(messages), error
+
+    async def read(self):
+        if self.error is not None:
+            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(), "killed")
+        return self.messages.pop(0) if self.messages else grpc.aio.EOF
+
+    def cancel(self):
+        return False
+
+
+class _Dead:
+    def Generate(self, request):
+        return _Call(error=grpc.StatusCode.UNAVAILABLE)
+
+    async def Abort(self, request, timeout=None):
+        return pb.AbortResponse()
+
+
+class _Alive(_Dead):
+    def Generate(self, request):
+        return _Call([pb.GenerateResponse(token_ids=[7], text="x", finished=True, finish_reason="length")])
+
+
+def _workers() -> tuple[WorkerHandle, WorkerHandle]:
+    dead = in_rotation("decode")
+    dead.stub = _Dead()
+    info = pb.WorkerInfo(worker_id="decode-1", role="decode", model=MODEL, max_model_len=8192)
+    alive = WorkerHandle("127.0.0.1:2", info=info, healthy=False)  # out of rotation a moment (missed polls)
+    alive.stub = _Alive()
+    return dead, alive
+
+
+def _complete(client):
+    return client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 1})
+
+
+def test_a_request_whose_tried_workers_all_failed_waits_for_another(make_client):
+    dead, alive = _workers()
+    client = make_client([dead, alive], startup_wait_s=30)
+    pool = client.router.pool
+
+    async def body():
+        request = asyncio.create_task(_complete(client))
+        while dead.healthy:  # its failure takes the dead worker out of rotation
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert not request.done()  # waiting for another worker, not answered 503
+        alive.healthy = True  # back in rotation: its next poll answered
+        pool.changed.set()
+        return await request
+
+    r = run(body())
+    assert r.status_code == 200, r.text
+
+
+def test_without_a_wait_the_request_is_answered_503(make_client):
+    dead, alive = _workers()
+    client = make_client([dead, alive], startup_wait_s=0)
+    r = run(_complete(client))
+    assert r.status_code == 503 and "every decode worker failed" in r.json()["error"]["message"]
