@@ -153,10 +153,34 @@ def _serve_overrides(args: argparse.Namespace) -> dict:
     return overrides
 
 
+# Below this many CPUs, pdserve serve on this machine serves colocated unless told otherwise: two
+# pools split two cores into one thread each, and a one-thread prefill worker roughly doubles time to
+# first token (README "CPU paths": p90 TTFT 2.6-3.2 s disaggregated against 1.3-1.4 s colocated at
+# 0.25-0.5 req/s of 512-token prompts on two cores).
+DISAGGREGATE_FROM_CPUS = 4
+
+
+def _effective_serve_config(args: argparse.Namespace):
+    """The configuration pdserve serve runs: flags over the file over the defaults, with the pools'
+    default for a small machine (colocated) when neither sized the prefill pool."""
+    from pdserve.cluster.config import read_yaml
+
+    cluster = _with_keys(_serve_config(args, **_serve_overrides(args)))
+    sized = args.prefill is not None or "prefill" in (read_yaml(getattr(args, "config", None)).get("pools") or {})
+    cpus = len(os.sched_getaffinity(0))
+    if sized or cluster.ray.address or cluster.engine.device != "cpu" or cpus >= DISAGGREGATE_FROM_CPUS:
+        return cluster
+    log.info("%d CPUs: serving colocated (the decode worker prefills its own prompts with every core; a "
+             "prefill worker of its own would halve that and about double time to first token); --prefill 1 "
+             "disaggregates anyway", cpus)
+    pools = dataclasses.replace(cluster.pools, prefill=dataclasses.replace(cluster.pools.prefill, replicas=0))
+    return dataclasses.replace(cluster, pools=pools)
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     from pdserve.cluster.config import to_yaml
 
-    print(to_yaml(_with_keys(_serve_config(args, **_serve_overrides(args)))), end="")
+    print(to_yaml(_effective_serve_config(args)), end="")
     return 0
 
 
@@ -180,7 +204,7 @@ def _stop_now() -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    cluster = _with_keys(_serve_config(args, **_serve_overrides(args)))  # validated before anything starts
+    cluster = _effective_serve_config(args)  # validated before anything starts
     from pdserve import cluster_token
 
     cluster_token.ensure_token()  # this cluster's gRPC secret: the workers and the router inherit it
@@ -296,7 +320,8 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     parser.add_argument("--decode", type=int, default=None, help="number of decode workers (default: 1)")
     parser.add_argument("--prefill", type=int, default=None,
-                        help="number of prefill workers; 0 serves colocated (default: 1)")
+                        help="number of prefill workers; 0 serves colocated (default: 1; 0 on a CPU machine of "
+                             "fewer than 4 cores unless the config file sizes the pool)")
     parser.add_argument("--kv-backend", choices=["grpc", "torch"], default=None,
                         help="how prefill workers send KV to decode workers: grpc, or torch (torch.distributed: gloo "
                              "on CPU, nccl on GPU) (default: grpc)")
@@ -337,7 +362,9 @@ def add_commands(sub) -> None:
                     "cluster at --ray-address) places each pool per its YAML (num_cpus, num_gpus, resources), "
                     "restarts failed replicas and autoscales pools that have an autoscaling section. "
                     "--launcher processes runs one plain process per worker instead. Disaggregated by default "
-                    "(one prefill, one decode worker); --prefill 0 serves colocated (decode workers prefill their "
+                    "(one prefill, one decode worker; on a CPU machine of fewer than 4 cores, colocated unless "
+                    "--prefill or the config file sizes the prefill pool); --prefill 0 serves colocated (decode "
+                    "workers prefill their "
                     "own prompts).")
     _add_cluster_arguments(serve)
     serve.set_defaults(func=cmd_serve)

@@ -112,9 +112,9 @@ def stop(proc: subprocess.Popen, sig: int, target: str) -> float:
 def test_serve_stops_every_process(sig, target):
     """The first request right after the ready line is served; a stop exits 0 (asked for: SIGTERM or
     SIGINT, to serve or to its group) within the grace period, and no worker outlives serve."""
-    proc, url = start_serve("--decode", "2")
+    proc, url = start_serve("--prefill", "1", "--decode", "2")
     workers = children(proc.pid)
-    assert len(workers) == 3  # one prefill worker (the default) and two decode workers
+    assert len(workers) == 3  # one prefill worker and two decode workers
     complete(url)
     took = stop(proc, sig, target)
     if sig != signal.SIGKILL:
@@ -191,7 +191,8 @@ def test_serve_on_ray_serves_after_its_ready_line_and_stops_on_a_group_sigterm(t
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0"}
     entry_point = os.path.join(os.path.dirname(sys.executable), "pdserve")
-    proc, url = start_serve(launcher="ray", cwd=str(tmp_path), env=env, command=[entry_point], timeout=300)
+    proc, url = start_serve("--prefill", "1", launcher="ray", cwd=str(tmp_path), env=env, command=[entry_point],
+                            timeout=300)
     ray_processes: list[int] = []
     try:
         complete(url, "hi " * 200)  # long: prefilled on the prefill pool
@@ -209,3 +210,25 @@ def test_serve_on_ray_serves_after_its_ready_line_and_stops_on_a_group_sigterm(t
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_a_small_cpu_machine_serves_colocated_unless_told_otherwise(tmp_path, monkeypatch):
+    """Under 4 CPUs, pdserve serve's default is colocated (a prefill pool of its own would halve each
+    pool's cores); --prefill or the config file's pools.prefill still decide, and so does a machine
+    of 4 CPUs or more."""
+    import os as os_
+
+    from pdserve.cluster import serve_cli
+    from pdserve.cluster.cli import build_parser
+
+    def effective(*argv: str, cpus: int = 2):
+        monkeypatch.setattr(os_, "sched_getaffinity", lambda _pid: set(range(cpus)))
+        return serve_cli._effective_serve_config(build_parser().parse_args(["serve", *argv])).pools.prefill.replicas
+
+    config = tmp_path / "cluster.yaml"
+    config.write_text("pools:\n  prefill: {replicas: 2}\n")
+    assert effective() == 0
+    assert effective("--prefill", "1") == 1
+    assert effective("--config", str(config)) == 2
+    assert effective(cpus=4) == 1
+    assert effective("--ray-address", "auto") == 1  # a cluster's machines are not this one

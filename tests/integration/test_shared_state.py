@@ -140,7 +140,7 @@ def registered(url: str) -> list:
 
 
 def test_serve_with_redis_registers_its_workers(redis):
-    proc, url = start_serve("--redis", redis.url(1))
+    proc, url = start_serve("--redis", redis.url(1), "--prefill", "1")
     try:
         records = registered(redis.url(1))
         assert sorted(r.role for r in records) == ["decode", "prefill"]
