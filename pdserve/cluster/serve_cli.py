@@ -162,25 +162,25 @@ DISAGGREGATE_FROM_CPUS = 4
 
 def _effective_serve_config(args: argparse.Namespace):
     """The configuration pdserve serve runs: flags over the file over the defaults, with the pools'
-    default for a small machine (colocated) when neither sized the prefill pool."""
+    default for a small machine (colocated) when neither sized the prefill pool; and why, if so."""
     from pdserve.cluster.config import read_yaml
 
     cluster = _with_keys(_serve_config(args, **_serve_overrides(args)))
     sized = args.prefill is not None or "prefill" in (read_yaml(getattr(args, "config", None)).get("pools") or {})
     cpus = len(os.sched_getaffinity(0))
     if sized or cluster.ray.address or cluster.engine.device != "cpu" or cpus >= DISAGGREGATE_FROM_CPUS:
-        return cluster
-    log.info("%d CPUs: serving colocated (the decode worker prefills its own prompts with every core; a "
-             "prefill worker of its own would halve that and about double time to first token); --prefill 1 "
-             "disaggregates anyway", cpus)
+        return cluster, None
+    why = (f"{cpus} CPUs: serving colocated (the decode worker prefills its own prompts with every core; a prefill "
+           f"worker of its own would halve that and about double time to first token); --prefill 1 disaggregates "
+           f"anyway")
     pools = dataclasses.replace(cluster.pools, prefill=dataclasses.replace(cluster.pools.prefill, replicas=0))
-    return dataclasses.replace(cluster, pools=pools)
+    return dataclasses.replace(cluster, pools=pools), why
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     from pdserve.cluster.config import to_yaml
 
-    print(to_yaml(_effective_serve_config(args)), end="")
+    print(to_yaml(_effective_serve_config(args)[0]), end="")
     return 0
 
 
@@ -204,21 +204,23 @@ def _stop_now() -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    cluster = _effective_serve_config(args)  # validated before anything starts
+    cluster, why = _effective_serve_config(args)  # validated before anything starts
     from pdserve import cluster_token
 
     cluster_token.ensure_token()  # this cluster's gRPC secret: the workers and the router inherit it
     if cluster.launcher == "ray":
-        return _serve_on_ray(cluster)
-    return _serve_processes(cluster)
+        return _serve_on_ray(cluster, why)
+    return _serve_processes(cluster, why)
 
 
-def _serve_on_ray(cluster) -> int:
+def _serve_on_ray(cluster, why: str | None = None) -> int:
     """The pools as Ray Serve deployments, the router behind Serve's HTTP proxy; until SIGTERM/SIGINT."""
     from pdserve.cluster import ray_launcher
     from pdserve.cluster.startup import check_port, on_stop_signals
 
     check_port(cluster.router.host, cluster.router.port)  # before Ray starts: Serve's proxy binds it later
+    if why:
+        log.info(why)
     stop = threading.Event()
     on_stop_signals(stop.set)
     head = ray_launcher.connect(cluster.ray)
@@ -269,11 +271,13 @@ def _deploy_and_announce(cluster, stop: threading.Event) -> int:
     return 0
 
 
-def _serve_processes(cluster) -> int:
+def _serve_processes(cluster, why: str | None = None) -> int:
     from pdserve.cluster.launcher import signal_workers, start_worker, stop_workers, wait_ready
     from pdserve.cluster.startup import bind_port, on_stop_signals
 
     sock = bind_port(cluster.router.host, cluster.router.port)  # a taken port: refused before any model loads
+    if why:
+        log.info(why)
     grace_s = max(cluster.pools.prefill.grace_s, cluster.pools.decode.grace_s)
     on_stop_signals(_stop_now)
     workers = []

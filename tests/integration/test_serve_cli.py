@@ -223,7 +223,7 @@ def test_a_small_cpu_machine_serves_colocated_unless_told_otherwise(tmp_path, mo
 
     def effective(*argv: str, cpus: int = 2):
         monkeypatch.setattr(os_, "sched_getaffinity", lambda _pid: set(range(cpus)))
-        return serve_cli._effective_serve_config(build_parser().parse_args(["serve", *argv])).pools.prefill.replicas
+        return serve_cli._effective_serve_config(build_parser().parse_args(["serve", *argv]))[0].pools.prefill.replicas
 
     config = tmp_path / "cluster.yaml"
     config.write_text("pools:\n  prefill: {replicas: 2}\n")
