@@ -375,6 +375,7 @@ def test_api_keys_reach_the_router_as_a_mounted_file(helm_out, mode, tmp_path):
         assert not secrets and config.auth.keys_file == "" and not config.auth.enabled
         return
     assert config.auth.keys_file == "/etc/pdserve-auth/keys"
+    assert config.auth.metrics_open  # the scrape annotations (on by default) reach /metrics without a key
     if mode == "api-keys":
         (secret,) = secrets
         name = secret["metadata"]["name"]

@@ -92,8 +92,10 @@ The Secret holding the API keys file (auth.existingSecret, or the one made from 
 {{- define "pdserve.clusterConfig" -}}
 {{- $config := deepCopy .Values.config }}
 {{- if (include "pdserve.authSecret" .) }}
-{{- $_ := set $config "auth" (merge (dict "keys_file" (printf "%s/keys" (include "pdserve.authDir" .)))
-                                    ($config.auth | default dict)) }}
+{{- /* metrics_open: the pods' scrape annotations point Prometheus at the router's /metrics, which has no key */}}
+{{- $_ := set $config "auth" (merge ($config.auth | default dict)
+                                    (dict "keys_file" (printf "%s/keys" (include "pdserve.authDir" .))
+                                          "metrics_open" (.Values.metrics.podAnnotations | default false))) }}
 {{- end }}
 {{- $_ := set $config "pools" (dict "prefill" (dict "replicas" (int .Values.pools.prefill.replicas))
                                     "decode" (dict "replicas" (int .Values.pools.decode.replicas))) }}
