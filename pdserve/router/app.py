@@ -47,6 +47,7 @@ from pdserve.router.discovery import StoreDiscovery
 from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.index_feed import PrefixIndexFeed
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openapi import document_plain_routes
 from pdserve.router.policy import POLICIES, DisaggregationConfig
 from pdserve.router.pool import WorkerPool
 from pdserve.router.prefix_index import PrefixIndex
@@ -224,6 +225,7 @@ class Router:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
         app = FastAPI(title="pdserve", version="1", lifespan=lifespan)
+        document_plain_routes(app)  # in /openapi.json only: asgi() below serves them
         app.state.prefix_index = self.prefix_index
         app.add_exception_handler(RequestValidationError, self._validation_error)
         app.add_exception_handler(OpenAIError, self._openai_error)

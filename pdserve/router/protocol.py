@@ -8,12 +8,18 @@ OpenAI has that pdserve cannot honour are refused when set (never silently ignor
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
+
+# The wire (proto/v1) carries counts and token ids as int32 and seeds as int64: larger values are a
+# 400 naming the field here, not an error building the worker request (found by tests/integration/test_fuzz.py).
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
 
 # Every step checks each unfinished request's new text against its stop strings: bounded here.
 MAX_STOP_CHARS = 256
@@ -47,7 +53,7 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1, le=16)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -57,16 +63,16 @@ class _Sampling(BaseModel):
     user: str | None = None
     service_tier: Literal["auto", "default", "flex", "priority", "scale"] | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0, le=2**31 - 1)
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
-    priority: int | None = None  # vLLM's: the engine's scheduling order (lower first), within what the key allows
+    priority: Int32 | None = None  # vLLM's: the engine's scheduling order (lower first), within what the key allows
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -136,8 +142,8 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
@@ -167,8 +173,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Count | None = 16
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
@@ -225,7 +231,7 @@ class DetokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def field_of_engine_error(e: InvalidRequestError, request: _Sampling) -> str:
