@@ -10,7 +10,13 @@ it on every call through ``channel``. Without a token the workers' gRPC is open,
 worker listening beyond loopback says so at start.
 
 This protects the control and data plane from callers on the network that do not hold the
-secret; it does not encrypt: traffic between nodes wants TLS as well (not built yet).
+secret; it does not encrypt. TLS does, when certificates are given (PEM file paths in the
+environment, like the token): a worker with ``PDSERVE_TLS_CERT`` and ``PDSERVE_TLS_KEY`` serves
+TLS only; a client with ``PDSERVE_TLS_CA`` connects with TLS, checking the worker's certificate
+against that CA (its host, an IP address or a name, must be in the certificate; or name it in
+``PDSERVE_TLS_SERVER_NAME``); a worker that also has ``PDSERVE_TLS_CA`` asks every caller for a
+certificate of that CA (mutual TLS), which clients present from their own ``PDSERVE_TLS_CERT`` /
+``PDSERVE_TLS_KEY``.
 """
 
 from __future__ import annotations
@@ -27,12 +33,41 @@ import grpc
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
+TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV = "PDSERVE_TLS_CERT", "PDSERVE_TLS_KEY", "PDSERVE_TLS_CA"
+TLS_NAME_ENV = "PDSERVE_TLS_SERVER_NAME"
 _HEADER = "authorization"
+
+
+def _read(env: str) -> bytes | None:
+    path = os.environ.get(env)
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{env}: cannot read {path}: {e.strerror}") from e
+
+
+def server_credentials() -> grpc.ServerCredentials | None:
+    """TLS for a worker's server when it has a certificate and key (mutual TLS when it has a CA too)."""
+    cert, key, ca = _read(TLS_CERT_ENV), _read(TLS_KEY_ENV), _read(TLS_CA_ENV)
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise ValueError(f"TLS for the workers' gRPC needs both {TLS_CERT_ENV} and {TLS_KEY_ENV}")
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
 def token(environ: Mapping[str, str] | None = None) -> str | None:
     """This process's cluster token; None when the cluster runs without one."""
     return (os.environ if environ is None else environ).get(TOKEN_ENV) or None
+
+
+def forwarded_env() -> dict[str, str]:
+    """This process's token and TLS settings, for processes it starts elsewhere (Ray replicas)."""
+    return {k: os.environ[k] for k in (TOKEN_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV, TLS_NAME_ENV)
+            if os.environ.get(k)}
 
 
 def ensure_token() -> str:
@@ -117,11 +152,19 @@ class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
 
 
 def channel(address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
-    """A channel to a worker that sends this process's cluster token (if any) with every call."""
+    """A channel to a worker that sends this process's cluster token (if any) with every call, over
+    TLS when this process has a CA to check workers against."""
     value = token()
     pair = (_HEADER, f"Bearer {value}")
     senders = [kind(pair) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)] if value else None
-    return grpc.aio.insecure_channel(address, options=list(options), interceptors=senders)
+    ca = _read(TLS_CA_ENV)
+    if ca is None:
+        return grpc.aio.insecure_channel(address, options=list(options), interceptors=senders)
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=_read(TLS_KEY_ENV),
+                                               certificate_chain=_read(TLS_CERT_ENV))
+    name = os.environ.get(TLS_NAME_ENV)
+    extra = [("grpc.ssl_target_name_override", name)] if name else []
+    return grpc.aio.secure_channel(address, credentials, options=[*options, *extra], interceptors=senders)
 
 
 def server_interceptors(host: str) -> list[grpc.aio.ServerInterceptor]:

@@ -159,24 +159,21 @@ def _gauges() -> tuple:
 # ---- the deployments' options, from the cluster YAML ----------------------------------------------
 
 
-def _replica_env(interval_s: float, token: str | None) -> dict[str, str]:
+def _replica_env(interval_s: float, security: dict[str, str] | None = None) -> dict[str, str]:
     """The replicas' environment: how often they (their load) and handles (requests waiting for a
     pool at zero) report to Serve's controller (Ray's default, 10 s, would be most of a scaling
-    window), and the cluster token their gRPC wants and sends (cluster_token.py), when there is one."""
-    env = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": str(interval_s),
-           "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": str(interval_s)}
-    if token:
-        env[cluster_token.TOKEN_ENV] = token
-    return env
+    window), and the cluster token and TLS settings their gRPC wants and sends (cluster_token.py)."""
+    return {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": str(interval_s),
+            "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": str(interval_s), **(security or {})}
 
 
-def deployment_options(config, role: str, token: str | None = None) -> dict[str, Any]:
+def deployment_options(config, role: str, security: dict[str, str] | None = None) -> dict[str, Any]:
     """``Deployment.options(...)`` for a pool: placement, size or autoscaling, drain time, the
     cluster token. Pure."""
     pool = getattr(config.pools, role)
     interval = config.ray.metrics_interval_s
     actor: dict[str, Any] = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus,
-                             "runtime_env": {"env_vars": _replica_env(interval, token)}}
+                             "runtime_env": {"env_vars": _replica_env(interval, security)}}
     if pool.resources:
         actor["resources"] = dict(pool.resources)
     options: dict[str, Any] = {
@@ -487,10 +484,12 @@ def build_app(args: dict):
     for role, cls in (("prefill", PrefillWorker), ("decode", DecodeWorker)):
         pool = getattr(config.pools, role)
         if pool.replicas > 0 or pool.autoscaling is not None:
-            handles[role] = cls.options(**deployment_options(config, role, cluster_token.token())).bind(cluster, store)
+            handles[role] = cls.options(**deployment_options(config, role, cluster_token.forwarded_env())).bind(
+                cluster, store)
     router = RouterDeployment.options(num_replicas=config.ray.router_replicas,
                             ray_actor_options={"num_cpus": config.ray.router_num_cpus, "runtime_env": {
-                                "env_vars": _replica_env(config.ray.metrics_interval_s, cluster_token.token())}},
+                                "env_vars": _replica_env(config.ray.metrics_interval_s,
+                                                         cluster_token.forwarded_env())}},
                             max_ongoing_requests=config.router.max_concurrent_requests + config.router.queue_size + 64,
                             graceful_shutdown_timeout_s=30.0)
     return router.bind(cluster, store, handles.get("prefill"), handles.get("decode"))

@@ -25,7 +25,7 @@ import uuid
 
 import grpc
 
-from pdserve.cluster_token import server_interceptors
+from pdserve.cluster_token import server_credentials, server_interceptors
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
@@ -69,7 +69,11 @@ class WorkerServer:
         server = grpc.aio.server(interceptors=server_interceptors(config.host),  # the cluster token, if any
                                  options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                           ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        credentials = server_credentials()  # TLS when the environment gives a certificate and key
+        if credentials is None:
+            port = server.add_insecure_port(f"{config.host}:{config.port}")
+        else:
+            port = server.add_secure_port(f"{config.host}:{config.port}", credentials)
         worker_id = config.worker_id or f"{role}-{config.host}-{port}-{uuid.uuid4().hex[:4]}"
         self.servicer = servicer = self.servicer_cls(self.engine, worker_id, config, f"{config.host}:{port}")
         pb_grpc.add_WorkerServicer_to_server(servicer, server)

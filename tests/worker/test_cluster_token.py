@@ -112,3 +112,94 @@ def _restore_env(monkeypatch):
     """ensure_token writes os.environ itself: monkeypatch puts it back after each test."""
     monkeypatch.setenv(cluster_token.TOKEN_ENV, "placeholder")
     monkeypatch.delenv(cluster_token.TOKEN_ENV)
+
+
+def _pki(tmp_path):
+    """A CA, a worker certificate for 127.0.0.1 and a client certificate, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def make(name: str, issuer=None, issuer_key=None, ca=False, san=None):
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer or subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san:
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        cert = builder.sign(issuer_key or key, hashes.SHA256())
+        for suffix, data in (("crt", cert.public_bytes(serialization.Encoding.PEM)),
+                             ("key", key.private_bytes(serialization.Encoding.PEM,
+                                                       serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))):
+            (tmp_path / f"{name}.{suffix}").write_bytes(data)
+        return cert, key
+
+    ca, ca_key = make("ca", ca=True)
+    make("worker", ca.subject, ca_key, san=[x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    make("client", ca.subject, ca_key, san=[x509.DNSName("client")])
+    return {name: str(tmp_path / name) for name in ("ca.crt", "worker.crt", "worker.key", "client.crt",
+                                                    "client.key")}
+
+
+def test_tls_and_mutual_tls_on_a_workers_grpc(make_engine, monkeypatch, tmp_path):
+    """A worker with a certificate serves TLS only (a plaintext caller is refused); a client checking it
+    against the CA gets through; with the CA on the worker too, only callers presenting a certificate
+    of that CA do. The token is still asked for over TLS."""
+    files = _pki(tmp_path)
+    monkeypatch.setenv(cluster_token.TOKEN_ENV, "tls-token")
+    monkeypatch.setenv(cluster_token.TLS_CERT_ENV, files["worker.crt"])
+    monkeypatch.setenv(cluster_token.TLS_KEY_ENV, files["worker.key"])
+
+    def as_client(cert: bool):
+        monkeypatch.setenv(cluster_token.TLS_CA_ENV, files["ca.crt"])
+        if cert:
+            monkeypatch.setenv(cluster_token.TLS_CERT_ENV, files["client.crt"])
+            monkeypatch.setenv(cluster_token.TLS_KEY_ENV, files["client.key"])
+        else:
+            monkeypatch.delenv(cluster_token.TLS_CERT_ENV)
+            monkeypatch.delenv(cluster_token.TLS_KEY_ENV)
+
+    async def health(channel) -> grpc.StatusCode:
+        async with channel:
+            return await status_of(pb_grpc.WorkerStub(channel).Health(pb.HealthRequest(), timeout=10))
+
+    async def one_way(address):  # the worker started with a certificate and no CA: TLS, not mutual
+        plain = await health(grpc.aio.insecure_channel(address))
+        as_client(cert=False)
+        return plain, await health(cluster_token.channel(address))
+
+    plain, tls = _with_token_worker(make_engine(), one_way)
+    assert plain == grpc.StatusCode.UNAVAILABLE and tls == grpc.StatusCode.OK
+
+    for env, name in ((cluster_token.TLS_CERT_ENV, "worker.crt"), (cluster_token.TLS_KEY_ENV, "worker.key"),
+                      (cluster_token.TLS_CA_ENV, "ca.crt")):
+        monkeypatch.setenv(env, files[name])
+
+    async def mutual(address):  # the worker has the CA too: callers must present a certificate of it
+        as_client(cert=False)
+        anonymous = await health(cluster_token.channel(address))
+        as_client(cert=True)
+        return anonymous, await health(cluster_token.channel(address))
+
+    anonymous, certified = _with_token_worker(make_engine(), mutual)
+    assert anonymous == grpc.StatusCode.UNAVAILABLE and certified == grpc.StatusCode.OK
+
+
+def test_half_a_tls_configuration_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv(cluster_token.TLS_CERT_ENV, str(tmp_path / "missing.crt"))
+    with pytest.raises(ValueError, match="PDSERVE_TLS_CERT: cannot read"):
+        cluster_token.server_credentials()
+    (tmp_path / "a.crt").write_text("x")
+    monkeypatch.setenv(cluster_token.TLS_CERT_ENV, str(tmp_path / "a.crt"))
+    with pytest.raises(ValueError, match="needs both PDSERVE_TLS_CERT and PDSERVE_TLS_KEY"):
+        cluster_token.server_credentials()
