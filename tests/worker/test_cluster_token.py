@@ -124,7 +124,7 @@ def _pki(tmp_path):
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def make(name: str, issuer=None, issuer_key=None, ca=False, san=None):
         key = ec.generate_private_key(ec.SECP256R1())
