@@ -207,12 +207,18 @@ class Dispatcher:
 
     async def _another_decode_worker(self, request: pb.GenerateRequest, tried: set[str]) -> bool:
         """Every decode worker this request tried failed and none other is in rotation: wait up to
-        ``wait_for_worker_s`` for one it has not tried; whether one came."""
-        if self.wait_for_worker_s <= 0:
+        ``wait_for_worker_s`` for one it has not tried (with a waker and the pool now at zero, wake
+        it and wait its cold start); whether one came."""
+        timeout_s = self.wait_for_worker_s
+        if not self.pool.healthy("decode") and self.waker is not None and self.waker.can_wake("decode"):
+            self.waker.wake("decode")
+            self.metrics.cold_starts.labels("decode").inc()
+            timeout_s = self.waker.timeouts["decode"]
+        if timeout_s <= 0:
             return False
         log.warning("request %s: every decode worker in rotation failed (%s); waiting up to %.0f s for another",
-                    request.request_id, ", ".join(sorted(tried)), self.wait_for_worker_s)
-        return await self.pool.wait_for("decode", self.wait_for_worker_s, exclude=tried)
+                    request.request_id, ", ".join(sorted(tried)), timeout_s)
+        return await self.pool.wait_for("decode", timeout_s, exclude=tried)
 
     async def _generate(self, worker: WorkerHandle, request: pb.GenerateRequest,
                         prefill_tokens: int) -> AsyncIterator[pb.GenerateResponse]:
