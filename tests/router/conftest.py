@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import httpx
 import pytest
 
@@ -45,3 +46,20 @@ def make_client(tokenizer):
         return client
 
     yield make
+
+
+class ScriptedCall:
+    """A worker call as the router reads it (``read``, ``cancel``): fixed messages, then EOF; or, with
+    ``error``, a failure of that status at the first read."""
+
+    def __init__(self, messages=(), error: grpc.StatusCode | None = None):
+        self.messages, self.error = list(messages), error
+
+    async def read(self):
+        if self.error is not None:
+            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(), "killed")
+        return self.messages.pop(0) if self.messages else grpc.aio.EOF
+
+    def cancel(self):
+        return False
+

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.admission import TIER_CLASS, Admission, Refused
 from pdserve.router.auth import AuthConfig, Authenticator, TenantConfig, key_digest
-from tests.router.conftest import MODEL, in_rotation, run
+from tests.router.conftest import MODEL, ScriptedCall, in_rotation, run
 
 PRIORITY, DEFAULT, FLEX = TIER_CLASS["priority"], TIER_CLASS["default"], TIER_CLASS["flex"]
 
@@ -103,16 +102,7 @@ class _Recorder:
 
     def Generate(self, request):
         self.requests.append(request)
-        messages = [pb.GenerateResponse(token_ids=[7], text="x", finished=True, finish_reason="length")]
-
-        class Call:
-            async def read(self):
-                return messages.pop(0) if messages else grpc.aio.EOF
-
-            def cancel(self):
-                return False
-
-        return Call()
+        return ScriptedCall([pb.GenerateResponse(token_ids=[7], text="x", finished=True, finish_reason="length")])
 
     async def Abort(self, request, timeout=None):
         return pb.AbortResponse()

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import grpc
 import pytest
 
 from pdserve.cluster.config import load_serve_config
 from pdserve.configs import ConfigError
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.auth import OPEN, AuthConfig, Authenticator, Tenant, Unauthorized, key_digest
-from tests.router.conftest import MODEL, in_rotation, run
+from tests.router.conftest import MODEL, ScriptedCall, in_rotation, run
 
 
 def resolved(environ=None, **auth) -> AuthConfig:
@@ -128,17 +127,6 @@ def test_cache_salts_never_collide_across_tenants_and_groups_share():
 
 # ---- the router ---------------------------------------------------------------------------------
 
-class _Call:
-    def __init__(self, messages):
-        self.messages = list(messages)
-
-    async def read(self):
-        return self.messages.pop(0) if self.messages else grpc.aio.EOF
-
-    def cancel(self):
-        return False
-
-
 class _Recorder:
     """A decode worker answering one token, keeping each GenerateRequest it was sent."""
 
@@ -147,7 +135,7 @@ class _Recorder:
 
     def Generate(self, request):
         self.requests.append(request)
-        return _Call([pb.GenerateResponse(token_ids=[7], text="x", finished=True, finish_reason="length")])
+        return ScriptedCall([pb.GenerateResponse(token_ids=[7], text="x", finished=True, finish_reason="length")])
 
     async def Abort(self, request, timeout=None):
         return pb.AbortResponse()

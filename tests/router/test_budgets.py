@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.auth import AuthConfig, Authenticator, TenantConfig, key_digest
 from pdserve.router.budgets import Budgets, Limits, RateLimited
-from tests.router.conftest import MODEL, in_rotation, run
+from tests.router.conftest import MODEL, ScriptedCall, in_rotation, run
 
 
 class Clock:
@@ -81,17 +80,6 @@ def test_negative_limits_are_refused_naming_the_key():
 
 # ---- through the router -------------------------------------------------------------------------
 
-class _Call:
-    def __init__(self, messages):
-        self.messages = list(messages)
-
-    async def read(self):
-        return self.messages.pop(0) if self.messages else grpc.aio.EOF
-
-    def cancel(self):
-        return False
-
-
 class _Gate:
     """A decode worker that answers two tokens; the first request it sees after a gate is set gets its
     last token only when the test opens the gate (later requests are answered at once)."""
@@ -106,7 +94,7 @@ class _Gate:
         if self.gate is not None and self.held is None:
             self.held = rid
 
-        class Call(_Call):
+        class Call(ScriptedCall):
             async def read(self):
                 if len(self.messages) == 1 and rid == worker.held:
                     await worker.gate.wait()

@@ -4,26 +4,12 @@ A Router in this process over workers answering from a script (no model behind t
 
 from __future__ import annotations
 
-import grpc
 import orjson
 import pytest
 
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.responses import cached_prompt_tokens
-from tests.router.conftest import MODEL, in_rotation, run
-
-
-class _Call:
-    """A streaming call's ``read`` over fixed messages."""
-
-    def __init__(self, messages):
-        self.messages = list(messages)
-
-    async def read(self):
-        return self.messages.pop(0) if self.messages else grpc.aio.EOF
-
-    def cancel(self):
-        return False
+from tests.router.conftest import MODEL, ScriptedCall, in_rotation, run
 
 
 def _tokens(cached: int, *ids: int, finished: bool = False) -> pb.GenerateResponse:
@@ -39,7 +25,7 @@ class _Decode:
 
     def Generate(self, request):
         hit = self.cached if not request.kv_handle else self.reserve_cached
-        return _Call([_tokens(hit, 7), _tokens(hit, 8, finished=True)])
+        return ScriptedCall([_tokens(hit, 7), _tokens(hit, 8, finished=True)])
 
     async def Reserve(self, request, timeout=None):
         return pb.ReserveResponse(handle=request.request_id, cached_tokens=self.reserve_cached)
@@ -53,7 +39,7 @@ class _Prefill:
         self.cached = cached
 
     def Prefill(self, request):
-        return _Call([pb.PrefillResponse(first=_tokens(self.cached, 6))])
+        return ScriptedCall([pb.PrefillResponse(first=_tokens(self.cached, 6))])
 
 
 def _worker(role: str, stub):

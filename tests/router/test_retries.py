@@ -11,25 +11,12 @@ import grpc
 
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.pool import WorkerHandle
-from tests.router.conftest import MODEL, in_rotation, run
-
-
-class _Call:
-    def __init__(self, messages=(), error: grpc.StatusCode | None = None):
-        self.messages, self.error = list(messages), error
-
-    async def read(self):
-        if self.error is not None:
-            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(), "killed")
-        return self.messages.pop(0) if self.messages else grpc.aio.EOF
-
-    def cancel(self):
-        return False
+from tests.router.conftest import MODEL, ScriptedCall, in_rotation, run
 
 
 class _Dead:
     def Generate(self, request):
-        return _Call(error=grpc.StatusCode.UNAVAILABLE)
+        return ScriptedCall(error=grpc.StatusCode.UNAVAILABLE)
 
     async def Abort(self, request, timeout=None):
         return pb.AbortResponse()
@@ -37,7 +24,7 @@ class _Dead:
 
 class _Alive(_Dead):
     def Generate(self, request):
-        return _Call([pb.GenerateResponse(token_ids=[7], text="x", finished=True, finish_reason="length")])
+        return ScriptedCall([pb.GenerateResponse(token_ids=[7], text="x", finished=True, finish_reason="length")])
 
 
 def _workers() -> tuple[WorkerHandle, WorkerHandle]:
