@@ -165,11 +165,11 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_spec = self._spec_slots(request, budget)
-            preempted, before = self._allocate_or_preempt(request, num_new + num_spec, out)
+            preempted, before, returned = self._allocate_or_preempt(request, num_new + num_spec, out)
             i -= before  # preempted requests ahead of it in the list: it moved up
+            budget += returned  # the step's tokens of preempted requests already scheduled come back
             if preempted:
                 continue  # it gave its own blocks back (fcfs: it was the last; priority: the lowest class)
-            budget = self.max_num_batched_tokens - out.num_tokens  # a preempted one's tokens came back
             out.scheduled.append(self._take(request, num_new, num_spec))
             budget -= num_new + num_spec
             i += 1
@@ -188,10 +188,12 @@ class Scheduler:
                 k = min(k, limit - request.num_output_tokens - 1)
         return max(k, 0)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> tuple[bool, int]:
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             out: SchedulerOutput) -> tuple[bool, int, int]:
         """Room for ``request``'s tokens, preempting others until there is. (whether ``request``
-        itself was preempted, how many preempted requests stood before it in ``running``)."""
-        before = 0
+        itself was preempted, how many preempted requests stood before it in ``running``, the
+        tokens of this step taken back from preempted requests already scheduled)."""
+        before = returned = 0
         while self.kv.allocate_slots(request, num_new) is None:
             victim = self._victim()
             if victim is not request and self.running.index(victim) < self.running.index(request):
@@ -199,13 +201,14 @@ class Scheduler:
             self.running.remove(victim)
             for j, item in enumerate(out.scheduled):  # already given a share of this step: taken back
                 if item.request is victim:
+                    returned += item.num_tokens
                     del out.scheduled[j]
                     break
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
             if victim is request:
-                return True, before
-        return False, before
+                return True, before, returned
+        return False, before, returned
 
     def _victim(self) -> Request:
         """The running request to preempt: the most recently admitted (fcfs), or the lowest class's
