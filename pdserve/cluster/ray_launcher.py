@@ -231,6 +231,21 @@ def run_app(config, blocking: bool = False):
     return serve.run(app, name=config.ray.app_name, route_prefix="/", blocking=blocking)
 
 
+def disconnect() -> None:
+    """Leave Ray for good: ``ray.shutdown()``, with Ray's auto-connect turned off first.
+
+    A thread still inside ``serve.run`` (a stop before the application was RUNNING) polls the
+    controller every second; after a plain ``ray.shutdown()`` its next ``ray.get`` connected this
+    process to Ray again, and when we then stopped the head, that new connection's core worker found
+    its raylet gone and ended the whole process with status 1. Now that call raises in its thread.
+    """
+    import ray
+    from ray._private import auto_init_hook  # ray is pinned (pyproject): this module-level switch is read per call
+
+    auto_init_hook.enable_auto_connect = False
+    ray.shutdown()
+
+
 def shutdown(config, head: RayHead | None) -> bool:
     """Delete the application (every replica drains), then stop the head if we started it.
 
@@ -249,7 +264,7 @@ def shutdown(config, head: RayHead | None) -> bool:
     else:
         log.error("Ray's processes were stopped under pdserve serve (ray start exited with status %s); the "
                   "replicas could not drain", head.process.returncode)
-    ray.shutdown()
+    disconnect()
     if head is not None:
         stop_head(head)
     return drained
