@@ -64,6 +64,15 @@ def token(environ: Mapping[str, str] | None = None) -> str | None:
     return (os.environ if environ is None else environ).get(TOKEN_ENV) or None
 
 
+def rendezvous_namespace(environ: Mapping[str, str] | None = None) -> str:
+    """A name only holders of the token can know, for keys in a store without authentication (the
+    torch backend's TCPStore): a digest of the token, never the token; "open" without one."""
+    secret = token(environ)
+    if secret is None:
+        return "open"
+    return hmac.new(secret.encode(), b"pdserve torch rendezvous", "sha256").hexdigest()[:32]
+
+
 def forwarded_env() -> dict[str, str]:
     """This process's token and TLS settings, for processes it starts elsewhere (Ray replicas)."""
     return {k: os.environ[k] for k in (TOKEN_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV, TLS_NAME_ENV)

@@ -2,7 +2,8 @@
 through the same code), control messages over the grpc backend's stream.
 
 Each (prefill worker, decode worker) pair gets a process group of two, made on first use
-through a TCPStore the decode worker hosts (its address travels in the reservation): rank 0
+through a TCPStore the decode worker hosts (its address travels in the reservation), its keys
+named under a digest of the cluster token (``cluster_token.rendezvous_namespace``): rank 0
 sends, rank 1 receives. Per chunk, the sender posts ``send(tensor, tag)`` and streams the
 chunk's metadata (layer, blocks, checksum, tag) over gRPC; the receiver posts the matching
 ``recv`` when the metadata arrives. The tensor is the layer's blocks, keys then values.
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from pdserve import cluster_token
 from pdserve.kvtransfer.base import KVLayout, SenderContext, TransferError, checksum, tensor_bytes
 from pdserve.kvtransfer.grpc_backend import GrpcSender, GrpcSession
 from pdserve.proto.v1 import worker_pb2 as pb
@@ -37,8 +39,12 @@ class PairGroups:
     peer's first chunks wait for the one rendezvous). A group that failed is never made again
     under its name: the sender moves on to the next generation of the name (``peer/N``)."""
 
-    def __init__(self, timeout_s: float = 30.0):
+    def __init__(self, timeout_s: float = 30.0, namespace: str | None = None):
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        # TCPStore has no authentication but lists no keys: a group's keys are named under a digest
+        # of the cluster token, so a caller on the network without it cannot join a pair's group
+        # (nor post tensors to it); the transfer's control messages go over the token-checked gRPC.
+        self.namespace = namespace if namespace is not None else cluster_token.rendezvous_namespace()
         self._groups: dict[tuple[str, str], object] = {}
         self._making: dict[tuple[str, str], threading.Lock] = {}
         self._dead: set[tuple[str, str]] = set()
@@ -57,7 +63,7 @@ class PairGroups:
                 return group
             host, port = store_address.rsplit(":", 1)
             store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
-            prefixed = dist.PrefixStore(f"{_GROUP_PREFIX}/{name}", store)
+            prefixed = dist.PrefixStore(f"{_GROUP_PREFIX}/{self.namespace}/{name}", store)
             if device.type == "cuda":
                 group = dist.ProcessGroupNCCL(prefixed, rank, 2)
             else:
