@@ -57,6 +57,11 @@ MODES = {
     "api-keys": {"auth": {"apiKeys": {"acme": "sk-demo-acme", "globex": "sk-demo-globex"}},
                  "config": {"auth": {"tenants": {"acme": {"cache_group": "support"}}}}},
     "ray-api-keys": {"ray": {"enabled": True}, "auth": {"existingSecret": "my-keys"}},
+    "tls": {"tls": {"existingSecret": "pdserve-tls", "serverName": "workers.pdserve.internal"},
+            "auth": {"existingSecret": "my-keys"}},
+    "ray-tls": {"ray": {"enabled": True}, "tls": {"existingSecret": "pdserve-tls"}},
+    "ray-tls-api-keys": {"ray": {"enabled": True}, "tls": {"existingSecret": "pdserve-tls"},
+                         "auth": {"existingSecret": "my-keys"}},
 }
 
 
@@ -69,6 +74,7 @@ BAD_VALUES = {
     "bad-auth-mode": ({"ray": {"authMode": "tokn"}}, "authMode"),
     "api-keys-typo": ({"auth": {"apikeys": {"a": "k"}}}, "apikeys"),
     "api-key-empty": ({"auth": {"apiKeys": {"a": ""}}}, "apiKeys"),
+    "tls-key-typo": ({"tls": {"secret": "pdserve-tls"}}, "secret"),
 }
 
 # Helm runs in a child process: its Go runtime stays out of the test process (signals, threads, forks).
@@ -405,6 +411,18 @@ def test_every_pdserve_process_holds_the_cluster_token(helm_out, mode):
     import base64
 
     objs = objects(helm_out, mode)
+    names = set()
+    for pod in pdserve_pods(objs):
+        (env,) = [e for e in pod["containers"][0]["env"] if e["name"] == "PDSERVE_CLUSTER_TOKEN"]
+        names.add(env["valueFrom"]["secretKeyRef"]["name"])
+        assert env["valueFrom"]["secretKeyRef"]["key"] == "token"
+    (name,) = names
+    (secret,) = [o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == name]
+    assert len(base64.b64decode(secret["data"]["token"])) == 48
+
+
+def pdserve_pods(objs: list[dict]) -> list[dict]:
+    """The pod specs of every container that runs pdserve: router, workers; with Ray the head and both groups."""
     pods = [o["spec"]["template"]["spec"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")
             and o["spec"]["template"]["spec"]["containers"][0]["name"] in ("router", "prefill", "decode")]
     for service in (o for o in objs if o["kind"] == "RayService"):
@@ -412,14 +430,36 @@ def test_every_pdserve_process_holds_the_cluster_token(helm_out, mode):
         pods += [cluster["headGroupSpec"]["template"]["spec"]]
         pods += [group["template"]["spec"] for group in cluster["workerGroupSpecs"]]
     assert pods
-    names = set()
+    return pods
+
+
+@pytest.mark.parametrize("mode", ["tls", "ray-tls", "ray-tls-api-keys", "default"])
+def test_tls_files_reach_every_pdserve_process_from_one_secret(helm_out, mode):
+    """With tls.existingSecret every pdserve container mounts it and names its three files in the
+    variables pdserve/cluster_token.py reads (so workers serve mutual TLS and callers present the same
+    certificate); serverName becomes PDSERVE_TLS_SERVER_NAME. Without it, nothing of the kind."""
+    from pdserve import cluster_token
+
+    values = MODES[mode].get("tls", {})
+    pods = pdserve_pods(objects(helm_out, mode))
     for pod in pods:
-        (env,) = [e for e in pod["containers"][0]["env"] if e["name"] == "PDSERVE_CLUSTER_TOKEN"]
-        names.add(env["valueFrom"]["secretKeyRef"]["name"])
-        assert env["valueFrom"]["secretKeyRef"]["key"] == "token"
-    (name,) = names
-    (secret,) = [o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == name]
-    assert len(base64.b64decode(secret["data"]["token"])) == 48
+        (container,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        tls_env = {k: v for k, v in env.items() if k.startswith("PDSERVE_TLS_")}
+        if not values:
+            assert not tls_env and all(v["name"] != "tls" for v in pod.get("volumes", []))
+            continue
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == values["existingSecret"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+        assert mount["readOnly"]
+        files = {cluster_token.TLS_CERT_ENV: "tls.crt", cluster_token.TLS_KEY_ENV: "tls.key",
+                 cluster_token.TLS_CA_ENV: "ca.crt"}
+        assert {k: v for k, v in tls_env.items() if k in files} == {
+            k: f"{mount['mountPath']}/{name}" for k, name in files.items()}
+        assert tls_env.get(cluster_token.TLS_NAME_ENV) == values.get("serverName")
+        if "auth" in MODES[mode] and container["name"] in ("router", "ray-head"):  # both Secrets mounted
+            assert {m["name"] for m in container["volumeMounts"]} >= {"api-keys", "tls"}
 
 
 def test_a_named_cluster_token_secret_is_used_not_made():

@@ -86,6 +86,41 @@ The Secret holding the API keys file (auth.existingSecret, or the one made from 
     secretKeyRef: {name: {{ include "pdserve.clusterTokenSecret" . }}, key: token}
 {{- end }}
 
+{{/* TLS for the workers' gRPC (pdserve/cluster_token.py): every pdserve container mounts the tls.existingSecret
+(tls.crt, tls.key, ca.crt) here and names the files in the environment pdserve reads. */}}
+{{- define "pdserve.tlsDir" -}}/etc/pdserve-tls{{- end }}
+
+{{- define "pdserve.tlsEnv" -}}
+{{- if .Values.tls.existingSecret }}
+- name: PDSERVE_TLS_CERT
+  value: {{ include "pdserve.tlsDir" . }}/tls.crt
+- name: PDSERVE_TLS_KEY
+  value: {{ include "pdserve.tlsDir" . }}/tls.key
+- name: PDSERVE_TLS_CA
+  value: {{ include "pdserve.tlsDir" . }}/ca.crt
+{{- with .Values.tls.serverName }}
+- name: PDSERVE_TLS_SERVER_NAME
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.tlsMount" -}}
+{{- if .Values.tls.existingSecret }}
+- name: tls
+  mountPath: {{ include "pdserve.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.tlsVolume" -}}
+{{- with .Values.tls.existingSecret }}
+- name: tls
+  secret:
+    secretName: {{ . }}
+{{- end }}
+{{- end }}
+
 {{/* Where the router's pod mounts that Secret. */}}
 {{- define "pdserve.authDir" -}}/etc/pdserve-auth{{- end }}
 
