@@ -67,9 +67,10 @@ def start_serve(*flags: str, launcher: str = "processes", cwd: str | None = None
     return proc, url
 
 
-def complete(url: str, prompt: str = "hi", max_tokens: int = 3) -> None:
+def complete(url: str, prompt: str = "hi", max_tokens: int = 3, key: str | None = None) -> None:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     r = httpx.post(url + "/v1/completions", json={"model": "random:tiny", "prompt": prompt, "max_tokens": max_tokens,
-                                                  "ignore_eos": True}, timeout=60)
+                                                  "ignore_eos": True}, headers=headers, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == max_tokens
 
@@ -185,17 +186,22 @@ def test_serve_on_ray_serves_after_its_ready_line_and_stops_on_a_group_sigterm(t
     Run from a directory holding a folder named pdserve (Ray puts the driver's directory on its
     workers' path); the first request right after the ready line is served; SIGTERM to serve's
     whole process group (a shell, a supervisor) reaches serve but not Ray's processes, so the
-    replicas drain and serve exits 0 within the grace period, leaving nothing running.
+    replicas drain and serve exits 0 within the grace period, leaving nothing running. With
+    ``--api-key`` the Router replica asks for the key (401 in OpenAI's shape without it).
     """
     (tmp_path / "pdserve").mkdir()
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0"}
     entry_point = os.path.join(os.path.dirname(sys.executable), "pdserve")
-    proc, url = start_serve("--prefill", "1", launcher="ray", cwd=str(tmp_path), env=env, command=[entry_point],
-                            timeout=300)
+    key = "sk-ray-replica-test"
+    proc, url = start_serve("--prefill", "1", "--api-key", key, launcher="ray", cwd=str(tmp_path), env=env,
+                            command=[entry_point], timeout=300)
     ray_processes: list[int] = []
     try:
-        complete(url, "hi " * 200)  # long: prefilled on the prefill pool
+        complete(url, "hi " * 200, key=key)  # long: prefilled on the prefill pool
+        refused = httpx.post(url + "/v1/completions", json={"model": "random:tiny", "prompt": "hi"},
+                             headers={"Authorization": "Bearer sk-wrong"}, timeout=60)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", refused.text
         ray_processes = descendants(proc.pid)  # ray start, gcs, raylet, the replicas' workers, ...
         assert len(ray_processes) >= 5
         took = stop(proc, signal.SIGTERM, "group")
