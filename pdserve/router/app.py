@@ -296,10 +296,11 @@ class Router:
         except OpenAIError as e:
             await self._send_error(scope, send, e)
             return
+        headers = self.budgets.headers(tenant.name)  # OpenAI's x-ratelimit-* on every answer, as of now
         if isinstance(answer, dict):
-            await send_json(send, 200, answer)
+            await send_json(send, 200, answer, headers)
         else:
-            await send_sse(send, receive, answer)
+            await send_sse(send, receive, answer, headers)
 
     async def _send_error(self, scope, send, e: OpenAIError) -> None:
         self.metrics.errors.labels(e.code or e.type).inc()

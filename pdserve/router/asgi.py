@@ -80,15 +80,18 @@ async def read_body(scope, receive, limit: int) -> bytes:
             return b"".join(parts)
 
 
+def _raw(headers: dict[str, str] | None) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+
+
 async def send_json(send, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
     data = orjson.dumps(body)
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers + _raw(headers)})
     await send({"type": "http.response.body", "body": data})
 
 
-async def send_sse(send, receive, body: AsyncIterator[bytes]) -> None:
+async def send_sse(send, receive, body: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
     """Stream ``body``; a client disconnect cancels the streaming (and so the worker calls)."""
     task = asyncio.current_task()
     gone = False
@@ -103,7 +106,8 @@ async def send_sse(send, receive, body: AsyncIterator[bytes]) -> None:
     watcher = asyncio.create_task(watch())
     try:
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                                *_raw(headers)]})
         async for chunk in body:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

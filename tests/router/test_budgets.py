@@ -130,6 +130,26 @@ def test_a_tenant_over_its_request_budget_gets_429_with_openais_headers(make_cli
     assert run(_complete(client, key="sk-u")).status_code == 200  # another tenant is not held back
 
 
+def test_answers_that_pass_carry_the_tenants_ratelimit_headers_too(make_client):
+    """As OpenAI's: every answer tells the client where its budget stands (a JSON answer after its
+    unused tokens came back; a stream as it starts, with its reservation held), not only a 429."""
+    client, _ = _router(make_client, requests_per_minute=5, tokens_per_minute=30)
+    answered = run(_complete(client))  # 3 prompt + 2 max_tokens reserved, 3 + 2 used
+    assert answered.status_code == 200
+    assert answered.headers["x-ratelimit-limit-requests"] == "5"
+    assert answered.headers["x-ratelimit-remaining-requests"] == "4"
+    assert answered.headers["x-ratelimit-limit-tokens"] == "30"
+    assert int(answered.headers["x-ratelimit-remaining-tokens"]) in (25, 26)  # 30 - 5, refilling 0.5/s
+    assert answered.headers["x-ratelimit-reset-tokens"].endswith("s")
+    streamed = run(client.post("/v1/completions", headers={"Authorization": "Bearer sk-t"},
+                               json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2, "stream": True}))
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    assert streamed.headers["x-ratelimit-remaining-requests"] == "3"
+    assert int(streamed.headers["x-ratelimit-remaining-tokens"]) <= 22  # its own 5 still reserved
+    unlimited = run(_complete(client, key="sk-u"))
+    assert unlimited.status_code == 200 and not any(h.startswith("x-ratelimit") for h in unlimited.headers)
+
+
 def test_tokens_reserved_for_max_tokens_x_n_and_refunded_when_the_request_ends(make_client):
     # 3 prompt tokens + 10 max_tokens x 2 = 23 reserved; 3 + 2 x 2 = 7 used (each choice stops at 2 tokens)
     client, _ = _router(make_client, tokens_per_minute=30)
