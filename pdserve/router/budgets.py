@@ -7,7 +7,8 @@ bucket (``max_tokens`` unset: what the context leaves) and its sequences (prompt
 tenant's concurrency; when it ends, the tokens it did not use go back and its sequences are freed.
 A request that does not fit is answered 429 with ``Retry-After`` and OpenAI's headers
 (``x-ratelimit-limit-requests`` / ``-remaining-`` / ``-reset-``, the same for tokens), and takes
-nothing; an answer that passed carries the same headers (``headers``). A limit of 0 is no limit; a tenant without limits, and the open API (no keys), skip all of it.
+nothing; an answer that passed carries the same headers (``headers``). A limit of 0 is no limit; a
+tenant without limits, and the open API (no keys), skip all of it.
 
 The buckets live in the router process: several routers each enforce the whole limit (divide it by
 the number of routers to bound the total).
