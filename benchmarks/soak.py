@@ -104,7 +104,7 @@ async def request(client: httpx.AsyncClient, key: str, tier: str, rng: random.Ra
                         first = first or now
                         last, tokens = now, tokens + 1
     except httpx.HTTPError as e:
-        return {"status": 0, "outcome": "lost", "why": repr(e)}
+        return {"status": 0, "outcome": "lost", "why": f"{e!r} after {time.perf_counter() - started:.3f} s"}
     if not done:
         return {"status": 200, "outcome": "lost", "why": f"stream cut after {tokens} chunks, without [DONE]"}
     if first is None:
@@ -136,7 +136,12 @@ async def overload(url: str, keys: dict[str, str], rate: float, args, faults) ->
     tenants = list(TENANTS)
     weights = [float(x) for x in args.mix.split(",")]
     results: list[tuple[str, dict]] = []
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=1024)) as client:
+    # Idle connections are dropped by the client after 2 s, before the router's server closes them
+    # (uvicorn: 5 s): a request sent on a connection the server closes at that moment fails with a
+    # ReadError the router never saw. One ReadError came in six short runs without this; with the
+    # client's race ruled out, a "lost" request is one the router dropped.
+    limits = httpx.Limits(max_connections=1024, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         t0 = time.perf_counter()
         tasks, at = [], 0.0
         fired = set()
@@ -156,6 +161,19 @@ async def overload(url: str, keys: dict[str, str], rate: float, args, faults) ->
             tasks.append(asyncio.create_task(one()))
         await asyncio.gather(*tasks)
     return results
+
+
+def settle(cluster: Cluster, timeout_s: float = 30.0) -> list[dict]:
+    """Every live worker's running, waiting and KV usage once all are idle (the last aborts and frees
+    reach the engines a step after the answers), or as they stand after ``timeout_s``: a leak."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        leftovers = [{"worker": s.worker_id, "running": s.num_running, "waiting": s.num_waiting,
+                      "kv_usage": s.kv_usage} for s in cluster.stats()]
+        idle = all(w["running"] == 0 and w["waiting"] == 0 and w["kv_usage"] == 0 for w in leftovers)
+        if idle or time.monotonic() > deadline:
+            return leftovers
+        time.sleep(0.2)
 
 
 def summarize(results: list[tuple[str, dict]]) -> list[dict]:
@@ -236,11 +254,7 @@ def main() -> None:
         results = asyncio.run(overload(url, keys, rate, args, [(0.3, kill_and_replace), (0.6, restart_redis)]))
         sampler.stop.set()
         sampler.join()
-        time.sleep(2.0)  # settle: the last aborts and frees reach the workers' next snapshot
-        leftovers = []
-        for stats in Cluster(url, workers[1:], router, MODEL).stats():
-            leftovers.append({"worker": stats.worker_id, "running": stats.num_running, "waiting": stats.num_waiting,
-                              "kv_usage": stats.kv_usage})
+        leftovers = settle(Cluster(url, workers[1:], router, MODEL))
         metrics = httpx.get(url + "/metrics", timeout=5, headers={"Authorization": f"Bearer {keys['gold']}"}).text
     finally:
         if router is not None:

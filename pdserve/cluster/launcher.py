@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,20 @@ class WorkerProcess:
         return self.process.pid
 
 
+# The worker's death signal (PR_SET_PDEATHSIG) fires when the *thread* that started it ends, not the
+# process: a worker started from a short-lived thread (asyncio.to_thread, a pool's) got SIGTERM and
+# drained away as soon as that thread finished. Every worker is started from this one thread, which
+# lives as long as the process.
+_SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="worker-spawner")
+
+
 def start_worker(role: str, args: list[str], env: dict[str, str] | None = None) -> WorkerProcess:
     # No preexec_fn: with one, Popen must fork and run Python in the child, and a parent that has
     # used gRPC then runs gRPC's fork handlers, which crashed 1-4 children in 200 (SIGABRT at
     # start-up). Without it the child is spawned (vfork + exec) and sets its own death signal.
     cmd = [sys.executable, "-P", "-m", "pdserve.cluster.cli", "worker", role, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())})
+    proc = _SPAWNER.submit(subprocess.Popen, cmd, stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}).result()
     return WorkerProcess(role, proc)
 
 
