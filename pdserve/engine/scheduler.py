@@ -120,8 +120,7 @@ class Scheduler:
         or at its place by (priority, arrival) (priority: a preempted request keeps its arrival,
         so it goes ahead of later ones of its class)."""
         if self.policy == "priority":
-            keys = [self._order(r) for r in self.waiting]
-            self.waiting.insert(bisect.bisect_right(keys, self._order(request)), request)
+            bisect.insort_right(self.waiting, request, key=self._order)  # no list of every waiting key
         elif front:
             self.waiting.appendleft(request)
         else:
