@@ -15,6 +15,8 @@ with `--num-kv-blocks` set so that the workload's working set does not fit one w
       re-sends the previous turn's prompt, a stand-in for the answer (`--answer-tokens`) and a
       new question (the bench's chat workload renders its answers through the chat template;
       here the growing context is explicit token ids, so the oracle below is exact).
+With `--routers 2`, one more row: cache_aware with two routers reading one index through the same
+Redis, requests alternating between them (a user's turns too).
 Prefix hit rate = sum of `usage.prompt_tokens_details.cached_tokens` / sum of prompt tokens.
 Oracle = the same requests on one colocated worker with room for everything (measured the same
 way). TTFT p50/p90 and throughput (requests/s, output tokens/s) per policy.
@@ -130,20 +132,22 @@ async def one(client: httpx.AsyncClient, url: str, model: str, r: Request) -> Re
                   use["prompt_tokens_details"]["cached_tokens"], use["completion_tokens"])
 
 
-async def drive(url: str, model: str, requests: list[Request]) -> tuple[list[Result], float]:
-    """Tenants: each request at its arrival time. Multi-turn: each user's turns one after another."""
+async def drive(urls: list[str], model: str, requests: list[Request]) -> tuple[list[Result], float]:
+    """Tenants: each request at its arrival time. Multi-turn: each user's turns one after another.
+    With several routers the requests alternate between them (a user's turns too), so a router
+    routes prefixes that the other one's requests put on the workers."""
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=512)) as client:
         t0 = time.perf_counter()
 
-        async def at_time(r: Request) -> Result:
+        async def at_time(i: int, r: Request) -> Result:
             await asyncio.sleep(max(0.0, t0 + r.at - time.perf_counter()))
-            return await one(client, url, model, r)
+            return await one(client, urls[i % len(urls)], model, r)
 
         async def user(turns: list[Request]) -> list[Result]:
-            return [await one(client, url, model, r) for r in turns]
+            return [await one(client, urls[(r.user + t) % len(urls)], model, r) for t, r in enumerate(turns)]
 
         if requests[0].at >= 0:
-            results = await asyncio.gather(*(at_time(r) for r in requests))
+            results = await asyncio.gather(*(at_time(i, r) for i, r in enumerate(requests)))
         else:
             users = sorted({r.user for r in requests})
             per_user = await asyncio.gather(*(user([r for r in requests if r.user == u]) for u in users))
@@ -153,7 +157,8 @@ async def drive(url: str, model: str, requests: list[Request]) -> tuple[list[Res
 
 # ---- clusters ---------------------------------------------------------------------------------
 
-def run_policy(args, policy: str, requests: list[Request], kv_blocks: int, oracle: bool = False) -> dict:
+def run_policy(args, policy: str, requests: list[Request], kv_blocks: int, oracle: bool = False,
+               routers: int = 1) -> dict:
     redis = RedisServer(redis_binary())
     redis.start()
     common = ["--host", "127.0.0.1", "--port", "0", "--model", args.model, "--num-threads", "1",
@@ -161,22 +166,25 @@ def run_policy(args, policy: str, requests: list[Request], kv_blocks: int, oracl
     roles = ["decode"] if oracle else ["prefill"] + ["decode"] * args.decode
     blocks = 4 * kv_blocks * args.decode if oracle else kv_blocks
     workers = [start_worker(role, [*common, "--num-kv-blocks", str(blocks)]) for role in roles]
-    router = None
+    started: list = []
     try:
         wait_ready(workers, timeout_s=600)
-        router, url = start_router([], args.model, "--redis", redis.url(), "--policy", policy,
-                                   "--max-concurrent-requests", "4096", *args.router_flags.split())
-        wait_until(lambda: len(healthy(url)) == len(workers), 60)
-        model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
-        results, duration = asyncio.run(drive(url, model, requests))
-        metrics = httpx.get(url + "/metrics", timeout=5).text
+        for _ in range(routers):  # several: one index, through the same Redis
+            started.append(start_router([], args.model, "--redis", redis.url(), "--policy", policy,
+                                        "--max-concurrent-requests", "4096", *args.router_flags.split()))
+        urls = [url for _, url in started]
+        wait_until(lambda: all(len(healthy(url)) == len(workers) for url in urls), 60)
+        model = httpx.get(urls[0] + "/v1/models", timeout=5).json()["data"][0]["id"]
+        results, duration = asyncio.run(drive(urls, model, requests))
+        metrics = [httpx.get(url + "/metrics", timeout=5).text for url in urls]
     finally:
-        if router is not None:
+        for router, _ in started:
             router.send_signal(signal.SIGTERM)
             router.wait(30)
         stop_workers(workers, grace_s=10)
         redis.stop()
-    return summarize(policy if not oracle else "oracle", results, duration, metrics)
+    name = "oracle" if oracle else policy if routers == 1 else f"{policy} x{routers}"
+    return summarize(name, results, duration, metrics)
 
 
 def healthy(url: str) -> list:
@@ -210,7 +218,8 @@ def decision_quantile(text: str, q: float) -> float | None:
     return next(le for le, n in sorted(rows) if n >= q * total)
 
 
-def summarize(policy: str, results: list[Result], duration: float, metrics: str) -> dict:
+def summarize(policy: str, results: list[Result], duration: float, metrics: list[str]) -> dict:
+    """One policy's row; counters summed over its routers, the decision's p99 the worst of theirs."""
     ok = [r for r in results if r.ok]
     ttfts = sorted(r.ttft_s for r in ok)
     prompt = sum(r.prompt_tokens for r in ok)
@@ -220,10 +229,11 @@ def summarize(policy: str, results: list[Result], duration: float, metrics: str)
         "ttft_p50_s": quantile(ttfts, 0.5), "ttft_p90_s": quantile(ttfts, 0.9),
         "requests_per_s": len(ok) / duration, "output_tokens_per_s": sum(r.output_tokens for r in ok) / duration,
         "hit_rate": sum(r.cached_tokens for r in ok) / max(prompt, 1),
-        "predicted_cached": metric(metrics, "pdserve_router_cached_tokens_total", 'source="predicted"'),
-        "actual_cached": metric(metrics, "pdserve_router_cached_tokens_total", 'source="actual"'),
-        "remote_prefills": metric(metrics, "pdserve_router_prefill_decisions_total", 'outcome="remote"'),
-        "decision_p99_s": decision_quantile(metrics, 0.99),
+        "predicted_cached": sum(metric(m, "pdserve_router_cached_tokens_total", 'source="predicted"') for m in metrics),
+        "actual_cached": sum(metric(m, "pdserve_router_cached_tokens_total", 'source="actual"') for m in metrics),
+        "remote_prefills": sum(metric(m, "pdserve_router_prefill_decisions_total", 'outcome="remote"')
+                               for m in metrics),
+        "decision_p99_s": max((q for m in metrics if (q := decision_quantile(m, 0.99)) is not None), default=None),
         "ttfts": ttfts,
     }
 
@@ -281,6 +291,9 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=16, help="tokens generated per request (default 16)")
     p.add_argument("--kv-fraction", type=float, default=0.4,
                    help="each worker's KV blocks as a fraction of the working set's")
+    p.add_argument("--routers", type=int, default=1,
+                   help="N > 1 adds a row: cache_aware with N routers sharing one Redis, requests alternating "
+                        "between them (its hit rate against one router's; default 1, no such row)")
     p.add_argument("--router-flags", default="", help="more flags for every router, e.g. '--cost-interference 1'")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times (default 0)")
     p.add_argument("--result-dir", default="docs/bench/prefix_routing",
@@ -308,6 +321,8 @@ def main() -> None:
         requests = build[name](args, random.Random(args.seed))
         kv_blocks = max(64, int(args.kv_fraction * working_set_blocks(requests)))
         rows = [run_policy(args, policy, requests, kv_blocks) for policy in args.policies.split(",")]
+        if args.routers > 1:
+            rows.append(run_policy(args, "cache_aware", requests, kv_blocks, routers=args.routers))
         rows.append(run_policy(args, "least_loaded", requests, kv_blocks, oracle=True))
         report["workloads"][name] = {"kv_blocks_per_worker": kv_blocks, "rows": rows}
         print_table(name, kv_blocks, rows)
@@ -319,12 +334,12 @@ def main() -> None:
 def print_table(name: str, kv_blocks: int, rows: list[dict]) -> None:
     oracle = rows[-1]["hit_rate"]
     print(f"\nworkload {name}: {kv_blocks} KV blocks per worker")
-    print(f"{'policy':<13} {'ok/all':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'req/s':>6} {'out tok/s':>9} "
+    print(f"{'policy':<15} {'ok/all':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'req/s':>6} {'out tok/s':>9} "
           f"{'hit rate':>8} {'of oracle':>9} {'remote':>6} {'decide p99':>10}")
     for r in rows:
         ttft = "" if r["policy"] == "oracle" else f"{r['ttft_p50_s']:>8.3f}s {r['ttft_p90_s']:>8.3f}s"
         p99 = f"{r['decision_p99_s'] * 1e6:.0f} us" if r["decision_p99_s"] else "-"
-        print(f"{r['policy']:<13} {r['requests'] - r['failed']:>4}/{r['requests']:<3} {ttft:>19} "
+        print(f"{r['policy']:<15} {r['requests'] - r['failed']:>4}/{r['requests']:<3} {ttft:>19} "
               f"{r['requests_per_s']:>6.2f} {r['output_tokens_per_s']:>9.1f} {r['hit_rate']:>8.1%} "
               f"{r['hit_rate'] / max(oracle, 1e-9):>9.1%} {r['remote_prefills']:>6.0f} {p99:>10}")
 
