@@ -29,6 +29,7 @@ import json
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -257,9 +258,17 @@ def main() -> None:
         leftovers = settle(Cluster(url, workers[1:], router, MODEL))
         metrics = httpx.get(url + "/metrics", timeout=5, headers={"Authorization": f"Bearer {keys['gold']}"}).text
     finally:
+        router_stop_s = None  # how long the router took to stop on SIGTERM; None: it had to be killed
         if router is not None:
             router.send_signal(signal.SIGTERM)
-            router.wait(30)
+            asked = time.monotonic()
+            try:
+                router.wait(30)
+                router_stop_s = time.monotonic() - asked
+            except subprocess.TimeoutExpired:
+                print("the router did not stop within 30 s of SIGTERM; killing it", file=sys.stderr, flush=True)
+                router.kill()
+                router.wait()
         stop_workers([w for w in workers if w.process.poll() is None], grace_s=10)
         redis.stop()
 
@@ -267,6 +276,7 @@ def main() -> None:
     growth = {name: sampler.growth(name) for name in sampler.pids}
     report = {"cpu": describe_cpu(), "args": vars(args), "capacity_rps": cap, "offered_rps": rate, "classes": rows,
               "rss_growth": growth, "leftovers": leftovers,
+              "router_stop_s": router_stop_s,
               "router_slo_lines": [line for line in metrics.splitlines() if line.startswith("pdserve_router_slo")],
               "events": events}
     out = Path(args.result_dir)

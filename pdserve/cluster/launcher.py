@@ -46,14 +46,19 @@ class WorkerProcess:
 _SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="worker-spawner")
 
 
+def spawn(cmd: list[str], env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+    """Start a pdserve command that dies with this process (it calls ``die_with_launcher``).
+
+    No preexec_fn: with one, Popen must fork and run Python in the child, and a parent that has
+    used gRPC then runs gRPC's fork handlers, which crashed 1-4 children in 200 (SIGABRT at
+    start-up). Without it the child is spawned (vfork + exec) and sets its own death signal."""
+    return _SPAWNER.submit(subprocess.Popen, cmd, env={**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())},
+                           **popen).result()
+
+
 def start_worker(role: str, args: list[str], env: dict[str, str] | None = None) -> WorkerProcess:
-    # No preexec_fn: with one, Popen must fork and run Python in the child, and a parent that has
-    # used gRPC then runs gRPC's fork handlers, which crashed 1-4 children in 200 (SIGABRT at
-    # start-up). Without it the child is spawned (vfork + exec) and sets its own death signal.
     cmd = [sys.executable, "-P", "-m", "pdserve.cluster.cli", "worker", role, *args]
-    proc = _SPAWNER.submit(subprocess.Popen, cmd, stdout=subprocess.PIPE, text=True,
-                           env={**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}).result()
-    return WorkerProcess(role, proc)
+    return WorkerProcess(role, spawn(cmd, env, stdout=subprocess.PIPE, text=True))
 
 
 def die_with_launcher() -> None:

@@ -115,7 +115,10 @@ def _announce_when_ready(server, model: str, router_config, timeout_s: float, ga
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    from pdserve.cluster.launcher import die_with_launcher
     from pdserve.router.app import RouterConfig
+
+    die_with_launcher()  # started by a launcher (a test, a benchmark): it goes when that goes
 
     engine = {"model": args.model} if args.model else {}
     store = {"backend": "redis", "url": args.redis} if args.redis else {}

@@ -19,6 +19,7 @@ import logging
 import time
 
 from pdserve.router.pool import WorkerPool
+from pdserve.state.store import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,7 @@ class StoreDiscovery:
         self._task = asyncio.create_task(self._sync_forever(), name="state-store-discovery")
 
     async def close(self) -> None:
-        for task in (self._task, *self._removals):
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in (self._task, *self._removals) if t is not None), return_exceptions=True)
+        await stop_tasks([self._task, *self._removals], "worker discovery")
         await self.store.close()
 
     async def _sync_forever(self) -> None:

@@ -26,6 +26,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import WorkerHandle, WorkerPool
 from pdserve.router.prefix_index import PrefixIndex, keys_of_packed
 from pdserve.router.worker_client import kv_snapshot
+from pdserve.state.store import stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,7 @@ class PrefixIndexFeed:
     async def close(self) -> None:
         if self.on_rotation in self.pool.listeners:
             self.pool.listeners.remove(self.on_rotation)
-        tasks = [t for t in (self._task, *self._resyncs.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks([self._task, *self._resyncs.values()], "prefix index feed")
 
     def on_rotation(self, worker: WorkerHandle, in_rotation: bool) -> None:
         if in_rotation:

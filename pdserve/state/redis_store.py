@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pdserve.state.store import KVEventBatch, KVEventRecord, StateStoreConfig, WorkerRecord
+from pdserve.state.store import KVEventBatch, KVEventRecord, StateStoreConfig, WorkerRecord, reraise_cancellation
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,11 +71,13 @@ class RedisStateStore:
         try:
             result = await op()
         except _UNREACHABLE as e:
+            reraise_cancellation()  # a cancellation the client turned into this error
             if self._down_since is None:
                 self._down_since = time.monotonic()
                 log.warning("state store: redis at %s unreachable (%s: %s); using the last known state until "
                             "it returns", self.config.url, what, e)
             return fallback
+        reraise_cancellation()  # one the client swallowed outright
         if self._down_since is not None:
             log.warning("state store: redis at %s is back after %.1f s; resyncing", self.config.url,
                         time.monotonic() - self._down_since)

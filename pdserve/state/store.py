@@ -15,7 +15,9 @@ registers it again), and logs when the server is back.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from pdserve.configs import ConfigError, doc
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,32 @@ STATE_STORES: dict[str, str | Callable[[StateStoreConfig], StateStore]] = {
     "memory": "pdserve.state.store:MemoryStateStore",
     "redis": "pdserve.state.redis_store:RedisStateStore",
 }
+
+
+def reraise_cancellation() -> None:
+    """Raise CancelledError if the running task was asked to stop and code below it swallowed that.
+
+    A store call whose client turned a cancellation into a timeout or a connection error (seen
+    with redis-py while Redis restarted: the router's event reader then slept on, "cancelling"
+    for good, and the router never finished stopping) would otherwise carry on as if Redis were
+    merely down."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def stop_tasks(tasks, what: str, timeout_s: float = 5.0) -> None:
+    """Cancel ``tasks`` and wait for them, at most ``timeout_s``: a task that swallows its
+    cancellation is left behind with a warning instead of holding up the shutdown for ever."""
+    tasks = [t for t in tasks if t is not None]
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    if pending:
+        log.warning("%s: %d task(s) did not stop within %.0f s of being cancelled; left behind: %s", what,
+                    len(pending), timeout_s, ", ".join(t.get_name() for t in pending))
 
 
 def register_state_store(name: str, factory: str | Callable[[StateStoreConfig], StateStore]) -> None:

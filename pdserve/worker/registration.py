@@ -16,7 +16,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from pdserve.state.store import KVEventRecord, StateStore, StateStoreConfig, WorkerRecord, make_state_store
+from pdserve.state.store import KVEventRecord, StateStore, StateStoreConfig, WorkerRecord, make_state_store, stop_tasks
 
 if TYPE_CHECKING:
     from pdserve.worker.servicer import WorkerServicer
@@ -64,9 +64,7 @@ class Registration:
                 log.exception("heartbeat failed")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await stop_tasks([self._task], "heartbeat")
         await self.store.deregister(self.servicer.worker_id)
         await self.store.close()
 

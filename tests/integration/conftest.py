@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from pdserve.cluster.launcher import WorkerProcess, start_worker, stop_workers, wait_ready
+from pdserve.cluster.launcher import WorkerProcess, spawn, start_worker, stop_workers, wait_ready
 
 
 def free_port() -> int:
@@ -58,7 +58,7 @@ def start_router(addresses: list[str], model: str, *flags: str, ready: bool = Tr
            "--port", str(port), "--poll-interval-s", "0.2", *flags]
     for a in addresses:
         cmd += ["--worker", a]
-    proc = subprocess.Popen(cmd)
+    proc = spawn(cmd)  # dies with this process
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -184,3 +184,67 @@ def test_the_yaml_section_configures_redis(tmp_path):
     path.write_text("state_store: {backend: redis, url: 'redis://10.0.0.5:6379/2', ttl_s: 3, heartbeat_s: 0.5}\n")
     store = load_serve_config(path).state_store
     assert (store.backend, store.url, store.ttl_s, store.heartbeat_s) == ("redis", "redis://10.0.0.5:6379/2", 3, 0.5)
+
+
+class _SwallowingClient:
+    """A Redis client whose read turns a cancellation into a timeout, or swallows it outright (what
+    redis-py did once while Redis restarted under load: the router then never finished stopping)."""
+
+    def __init__(self, convert: bool):
+        self.convert, self.reading = convert, asyncio.Event()
+
+    async def xread(self, streams, count):
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
+        self.reading.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if self.convert:
+                raise RedisTimeoutError("Timeout reading from redis") from None
+        return []
+
+
+@pytest.mark.parametrize("convert", [True, False], ids=["turned-into-a-timeout", "swallowed"])
+def test_a_cancelled_redis_call_stays_cancelled_whatever_the_client_does(convert):
+    from pdserve.state.redis_store import RedisStateStore
+
+    async def body():
+        store = RedisStateStore(StateStoreConfig(backend="redis", url="redis://127.0.0.1:1/0"))
+        store.client = client = _SwallowingClient(convert)
+        task = asyncio.create_task(store.read_kv_events("", 10))
+        await client.reading.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert store.reachable  # not taken for an outage
+
+    asyncio.run(body())
+
+
+def test_stopping_tasks_is_bounded_even_when_one_ignores_its_cancellation(caplog):
+    from pdserve.state.store import stop_tasks
+
+    async def stubborn(released):
+        while not released.is_set():
+            try:
+                await released.wait()
+            except asyncio.CancelledError:
+                pass  # a bug somewhere below: the loop goes on
+
+    async def body():
+        released = asyncio.Event()
+        polite = asyncio.create_task(asyncio.sleep(3600), name="polite")
+        stuck = asyncio.create_task(stubborn(released), name="stuck")
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="pdserve.state.store"):
+            await stop_tasks([polite, stuck, None], "test", timeout_s=0.2)
+        took = time.monotonic() - started
+        assert polite.cancelled() and not stuck.done()
+        released.set()  # let the test end
+        await stuck
+        return took
+
+    assert asyncio.run(body()) < 5
+    assert "1 task(s) did not stop" in caplog.text and "stuck" in caplog.text
