@@ -41,8 +41,8 @@ class WorkerProcess:
 
 # The worker's death signal (PR_SET_PDEATHSIG) fires when the *thread* that started it ends, not the
 # process: a worker started from a short-lived thread (asyncio.to_thread, a pool's) got SIGTERM and
-# drained away as soon as that thread finished. Every worker is started from this one thread, which
-# lives as long as the process.
+# drained away as soon as that thread finished. Everything ``spawn`` starts is started from this one
+# thread, which lives as long as the process.
 _SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="worker-spawner")
 
 

@@ -193,27 +193,29 @@ class Dispatcher:
                 log.warning("request %s: worker %s failed before streaming (%s); retrying elsewhere",
                             request.request_id, worker.worker_id, e)
 
+    def _decode_wait_s(self) -> float:
+        """How long to wait for a decode worker: a pool at zero replicas with a waker is woken and
+        waited for through its cold start; otherwise ``wait_for_worker_s``."""
+        if not self.pool.healthy("decode") and self.waker is not None and self.waker.can_wake("decode"):
+            self.waker.wake("decode")
+            self.metrics.cold_starts.labels("decode").inc()
+            return self.waker.timeouts["decode"]
+        return self.wait_for_worker_s
+
     async def _await_decode_worker(self) -> None:
         """With no decode worker in rotation: wake the pool if it is at zero replicas and wait for
         its cold start, or wait ``wait_for_worker_s`` for one still starting."""
         if self.pool.healthy("decode"):
             return
-        if self.waker is not None and self.waker.can_wake("decode"):
-            self.waker.wake("decode")
-            self.metrics.cold_starts.labels("decode").inc()
-            await self.pool.wait_for("decode", self.waker.timeouts["decode"])
-        elif self.wait_for_worker_s > 0:
-            await self.pool.wait_for("decode", self.wait_for_worker_s)
+        timeout_s = self._decode_wait_s()
+        if timeout_s > 0:
+            await self.pool.wait_for("decode", timeout_s)
 
     async def _another_decode_worker(self, request: pb.GenerateRequest, tried: set[str]) -> bool:
         """Every decode worker this request tried failed and none other is in rotation: wait up to
         ``wait_for_worker_s`` for one it has not tried (with a waker and the pool now at zero, wake
         it and wait its cold start); whether one came."""
-        timeout_s = self.wait_for_worker_s
-        if not self.pool.healthy("decode") and self.waker is not None and self.waker.can_wake("decode"):
-            self.waker.wake("decode")
-            self.metrics.cold_starts.labels("decode").inc()
-            timeout_s = self.waker.timeouts["decode"]
+        timeout_s = self._decode_wait_s()
         if timeout_s <= 0:
             return False
         log.warning("request %s: every decode worker in rotation failed (%s); waiting up to %.0f s for another",
