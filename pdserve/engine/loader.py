@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -11,9 +12,9 @@ import torch
 from tqdm import tqdm
 
 from pdserve.configs import ConfigError
-from pdserve.engine.config import DEFAULT_MODEL, ModelConfig, RopeScaling
+from pdserve.engine.config import DEFAULT_MODEL, ModelConfig, RopeScaling, gemma3_layer_types
 from pdserve.engine.gguf_file import GGUFFile
-from pdserve.engine.model import LlamaForCausalLM
+from pdserve.engine.model import LlamaForCausalLM, RotaryEmbedding
 from pdserve.engine.quant import check_quantization, quantize_model
 from pdserve.engine.sources import ModelSource, resolve_model
 from pdserve.engine.tokenizer import ModelTokenizer, load_tokenizer
@@ -92,26 +93,43 @@ def build_model(
     if weights is None:
         torch.manual_seed(seed)
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, max_positions)
+            model = model_class(cfg)(cfg, max_positions)
         for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith(("layernorm.weight", "_norm.weight")) or name == "norm.weight":
                 p.data.normal_(1.0, 0.1)  # not all ones, so norm weights matter in comparisons
             else:
                 p.data.normal_(0.0, 0.02)
         for p in model.parameters():
             p.data = p.data.to(dtype)
-        model.rope.to(device)
+        _tables_to(model, device)
         return _finish(model)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = model_class(cfg)(cfg, max_positions)
     if cfg.tie_word_embeddings:
         weights.setdefault("lm_head.weight", weights["embed_tokens.weight"])
     state = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rope.to(device)
+    _tables_to(model, device)
     return _finish(model)
+
+
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
+    if cfg.architecture == "gemma3":
+        from pdserve.engine.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
+    return LlamaForCausalLM
+
+
+def _tables_to(model: LlamaForCausalLM, device) -> None:
+    """The buffers built on the CPU whatever the device (RoPE tables, Gemma's embedding scale)."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.to(device)
+    if hasattr(model, "embed_scale"):
+        model.embed_scale = model.embed_scale.to(device)
 
 
 def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
@@ -127,17 +145,18 @@ def _read_gguf(path: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch
     gguf = GGUFFile(path)
     fields = gguf.fields
     arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise ConfigError(f"model: {path} has architecture {arch!r}; only 'llama' is supported")
-    cfg = _gguf_config(fields, gguf.tensors)
+    if arch not in ("llama", "gemma3"):
+        raise ConfigError(f"model: {path} has architecture {arch!r}; supported: 'llama', 'gemma3'")
+    cfg = _gguf_config(fields, gguf.tensors, arch)
     raw = {}
     for name in tqdm(gguf.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress, leave=False):
         raw[name] = torch.from_numpy(gguf.dequantize(name))
-    return cfg, _gguf_to_ours(raw, cfg), ModelTokenizer.from_gguf_fields(fields)
+    weights = _gguf_gemma3_to_ours(raw, cfg) if arch == "gemma3" else _gguf_to_ours(raw, cfg)
+    return cfg, weights, ModelTokenizer.from_gguf_fields(fields)
 
 
-def _gguf_config(fields: dict, tensors: dict) -> ModelConfig:
-    g = lambda key, default=None: fields.get(f"llama.{key}", default)  # noqa: E731
+def _gguf_config(fields: dict, tensors: dict, arch: str = "llama") -> ModelConfig:
+    g = lambda key, default=None: fields.get(f"{arch}.{key}", default)  # noqa: E731
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     scaling = None
@@ -158,6 +177,13 @@ def _gguf_config(fields: dict, tensors: dict) -> ModelConfig:
         rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in tensors,
     )
+    if arch == "gemma3":  # what the file does not say is transformers' Gemma3TextConfig default
+        cfg = dataclasses.replace(
+            cfg, architecture="gemma3", sliding_window=int(g("attention.sliding_window", 4096)),
+            layer_types=gemma3_layer_types(cfg.num_layers), query_pre_attn_scalar=float(cfg.head_dim),
+            rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(g("rope.freq_base", 1000000.0)),
+        )
     if "rope_freqs.weight" in tensors:
         raise ConfigError("model: GGUF files with a rope_freqs tensor (Llama 3.1 scaling) are not supported yet; "
                           "load the Hugging Face folder instead")
@@ -190,6 +216,34 @@ def _gguf_to_ours(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
         out[p + "mlp.down_proj.weight"] = raw[b + "ffn_down.weight"]
         out[p + "input_layernorm.weight"] = raw[b + "attn_norm.weight"]
         out[p + "post_attention_layernorm.weight"] = raw[b + "ffn_norm.weight"]
+    return out
+
+
+def _gguf_gemma3_to_ours(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Gemma 3 tensors. Unlike Llama files, q/k rows are in Hugging Face's rotate-half order
+    (llama.cpp runs Gemma's RoPE in NeoX style): they, and the q/k norm weights over head_dim,
+    are put in our interleaved order. Norm weights are stored as ``1 + w``; they are taken as
+    ``(stored - 1) + 1`` in float32, the multiplier transformers computes from the same file."""
+    def norm(t: torch.Tensor) -> torch.Tensor:
+        return (t.float() - 1.0) + 1.0
+
+    out = {"embed_tokens.weight": raw["token_embd.weight"], "norm.weight": norm(raw["output_norm.weight"])}
+    if "output.weight" in raw:
+        out["lm_head.weight"] = raw["output.weight"]
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+    for i in range(cfg.num_layers):
+        b, p = f"blk.{i}.", f"layers.{i}."
+        q = interleave_rope_rows(raw[b + "attn_q.weight"], cfg.num_heads)
+        k = interleave_rope_rows(raw[b + "attn_k.weight"], cfg.num_kv_heads)
+        out[p + "self_attn.qkv_proj.weight"] = torch.cat([q, k, raw[b + "attn_v.weight"]])
+        out[p + "self_attn.o_proj.weight"] = raw[b + "attn_output.weight"]
+        out[p + "self_attn.q_norm.weight"] = interleave_rope_rows(norm(raw[b + "attn_q_norm.weight"]), 1)
+        out[p + "self_attn.k_norm.weight"] = interleave_rope_rows(norm(raw[b + "attn_k_norm.weight"]), 1)
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([raw[b + "ffn_gate.weight"], raw[b + "ffn_up.weight"]])
+        out[p + "mlp.down_proj.weight"] = raw[b + "ffn_down.weight"]
+        for ours, theirs in names.items():
+            out[p + ours + ".weight"] = norm(raw[b + theirs + ".weight"])
     return out
 
 

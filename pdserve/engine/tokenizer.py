@@ -6,14 +6,17 @@ and token types stored in a GGUF file's metadata (the way llama.cpp reads them).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from tokenizers.decoders import DecodeStream
 
 # llama.cpp's pre-tokenizer regexes by `tokenizer.ggml.pre`; anything else gets GPT-2's.
@@ -42,6 +45,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 _BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @dataclass
@@ -68,25 +72,25 @@ class ModelTokenizer:
 
     @classmethod
     def from_gguf_fields(cls, fields: dict) -> ModelTokenizer:
-        """From GGUF metadata (``tokenizer.ggml.*``); only byte-level BPE (``gpt2``) is supported."""
+        """From GGUF metadata (``tokenizer.ggml.*``): byte-level BPE (``gpt2``), or Gemma's
+        SentencePiece BPE (``llama`` in a ``gemma*`` file)."""
         kind = fields.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE)")
+        arch = str(fields.get("general.architecture", ""))
         tokens = fields["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        splits = _SPLITS.get(fields.get("tokenizer.ggml.pre", ""), [_GPT2_SPLIT])
-        tk.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-        tk.decoder = decoders.ByteLevel()
         types = fields.get("tokenizer.ggml.token_type") or []
-        special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
-        user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
-        tk.add_special_tokens(special)
-        tk.add_tokens(user)
+        if kind == "gpt2":
+            tk = _with_file_tokens(_byte_level_bpe(fields, tokens), tokens, types)
+        elif kind == "llama" and arch.startswith("gemma"):
+            unk = fields.get("tokenizer.ggml.unknown_token_id")
+
+            def build() -> Tokenizer:
+                tk, spelled = _gemma_sentencepiece(tokens, tokens[int(unk)] if unk is not None else None)
+                return _with_file_tokens(tk, tokens, types, spelled)
+
+            tk = _cached(tokens, types, build)
+        else:
+            raise ValueError(f"GGUF tokenizer model {kind!r} of architecture {arch!r} is not supported "
+                             "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece of Gemma files)")
 
         def token(key: str) -> int | None:
             value = fields.get(f"tokenizer.ggml.{key}")
@@ -155,6 +159,8 @@ class ModelTokenizer:
             return b""
         if self._byte_level and all(c in _BYTE_DECODER for c in token):
             return bytes(_BYTE_DECODER[c] for c in token)
+        if not self._byte_level and (byte := _BYTE_FALLBACK.fullmatch(token)):  # SentencePiece's <0xE2>
+            return bytes([int(byte.group(1), 16)])
         return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
     @property
@@ -175,6 +181,86 @@ class ModelTokenizer:
 
     def detokenizer(self, skip_special_tokens: bool = True, prefix_ids: list[int] = ()) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens, prefix_ids)
+
+
+def _byte_level_bpe(fields: dict, tokens: list[str]) -> Tokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    splits = _SPLITS.get(fields.get("tokenizer.ggml.pre", ""), [_GPT2_SPLIT])
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tk.decoder = decoders.ByteLevel()
+    return tk
+
+
+def _with_file_tokens(tk: Tokenizer, tokens: list[str], types: list[int], spelled: dict | None = None) -> Tokenizer:
+    """The file's control tokens added as special tokens and its user-defined ones as plain added
+    tokens (matched whole in text, as llama.cpp does); ``spelled``: only user-defined tokens the
+    model's vocabulary spells that way."""
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, k in zip(tokens, types) if k == _CONTROL])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
+                   if k == _USER_DEFINED and (spelled is None or t in spelled)])
+    return tk
+
+
+def _cached(tokens: list[str], types: list[int], build) -> Tokenizer:
+    """A tokenizer that is slow to build (Gemma's 262k-token vocabulary: its merges are rebuilt in
+    Python, ~10 s) from the cache ($PDSERVE_CACHE_DIR, default ~/.cache/pdserve), keyed by a digest
+    of the vocabulary and of this code's version of the builder; built and stored on a miss. An
+    unwritable cache only costs the build."""
+    digest = hashlib.sha256(f"{_BUILDER_VERSION}\n".encode())
+    for token in tokens:
+        digest.update(token.encode("utf-8", "surrogatepass") + b"\0")
+    digest.update(bytes(int(k) & 0xFF for k in types))
+    root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+    path = root / "tokenizers" / f"{digest.hexdigest()[:32]}.json"
+    if path.exists():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception:  # a torn or foreign file: rebuild it
+            pass
+    tk = build()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tk.save(str(tmp))
+        os.replace(tmp, path)  # whole or not at all: workers starting together may race here
+    except OSError:
+        pass
+    return tk
+
+
+# Part of the cache key: change it when _gemma_sentencepiece or _with_file_tokens changes.
+_BUILDER_VERSION = "gemma-sentencepiece/1"
+
+
+def _gemma_sentencepiece(tokens: list[str], unk: str | None) -> tuple[Tokenizer, dict[str, int]]:
+    """Gemma's SentencePiece BPE from a GGUF vocabulary, as transformers builds it
+    (``GemmaTokenizer``: spaces normalised to ``▁``, byte fallback, no prefix space).
+
+    The file has no merges: they are rebuilt from the vocabulary, every split of a token into two
+    tokens, ranked by the token's place in the file (Gemma's scores do not follow its merge
+    order; the order of the vocabulary does). A token of spaces only is stored with real spaces
+    and looked up as ``▁``s. Returns the tokenizer and the vocabulary as spelled for it.
+    """
+    spelled = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}  # a spelling twice: the later id, as transformers has it
+    merges = []
+    for token, rank in vocab.items():
+        pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        pairs.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges.extend((rank, len(left), len(right), left, right) for left, right in pairs)
+    merges.sort(key=lambda m: (m[0], -m[1], -m[2]))  # best first: earlier token, then longer left, longer right
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[(left, right) for *_, left, right in merges], fuse_unk=True,
+                              unk_token=unk, byte_fallback=True))
+    tk.normalizer = normalizers.Replace(" ", "▁")
+    tk.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tk, vocab
 
 
 def _token_text(value) -> str | None:

@@ -89,6 +89,9 @@ class TritonPagedAttention:
         self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.window:
+            raise NotImplementedError("the Triton attention kernels do not mask a sliding window yet (Gemma 3's "
+                                      "local layers); serve this model on the CPU (--device cpu)")
         self.write(k, v, k_cache, v_cache, meta)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = meta.num_decodes
