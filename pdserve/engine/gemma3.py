@@ -24,17 +24,15 @@ from torch import nn
 
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata, windowed
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.model import Linear, LlamaForCausalLM, RMSNorm, RotaryEmbedding, apply_rope
+from pdserve.engine.model import MLP, Attention, Linear, LlamaForCausalLM, RMSNorm, RotaryEmbedding, apply_rope
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(Attention):
+    """Llama's projections, with q and k normalised per head before RoPE."""
+
     def __init__(self, cfg: ModelConfig, sliding: bool):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        super().__init__(cfg)
         self.sliding = sliding
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         # The backends scale by head_dim ** -0.5; Gemma's own scale, where it differs, goes into q.
@@ -55,12 +53,8 @@ class GemmaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+class GemmaMLP(MLP):
+    """GELU (tanh) in place of SiLU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
