@@ -64,3 +64,26 @@ def test_errors_name_the_field(client, path, body, status, param):
 def test_max_model_len_is_null_until_a_worker_reports_it(make_client):
     r = post(make_client([]), "/tokenize", {"prompt": "hi"})
     assert r.status_code == 200 and r.json()["max_model_len"] is None
+
+
+def test_a_model_without_a_chat_template_answers_chat_with_a_400_saying_so():
+    """Gemma 3 270M is a base model: its GGUF has no chat template. Chat requests and chat
+    tokenization get a 400 naming `messages` and the reason; nothing reaches a worker."""
+    import httpx
+
+    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.router.app import Router, RouterConfig
+    from pdserve.router.pool import WorkerPool
+
+    pool = WorkerPool([])
+    pool.workers = [in_rotation("decode")]
+    gemma = "gemma-3-270m"
+    router = Router(RouterConfig(served_model_name=gemma), pool, load_tokenizer(gemma), gemma)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=router.create_app()), base_url="http://router")
+    for path, body in (("/v1/chat/completions", {"model": "gemma-3-270m", "messages": HI, "max_tokens": 4}),
+                       ("/tokenize", {"model": "gemma-3-270m", "messages": HI})):
+        r = post(client, path, body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages" and "no chat template" in error["message"], error
+    assert post(client, "/tokenize", {"model": "gemma-3-270m", "prompt": "Hi"}).json()["tokens"] == [2, 10979]
