@@ -79,6 +79,7 @@ def test_prompts_longer_than_the_window_match_transformers(gemma, step_tokens):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # transformers reads the GGUF twice (tokenizer, model): ~2 min quiet, far more loaded
 def test_recorded_reference_is_what_transformers_says():
     pytest.importorskip("transformers")
     from pdserve.engine.sources import resolve_model
