@@ -37,6 +37,21 @@ class PrefillChunk:
     context_len: int  # tokens before the chunk (prefix hit or earlier chunks)
     block_ids: torch.Tensor  # blocks covering context_len + query_len tokens
     window: int = 0  # > 0: a query at position p sees keys p - window + 1 .. p only (sliding-window layers)
+    _mask: tuple[int, torch.Tensor] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def key_mask(self) -> tuple[int, torch.Tensor]:
+        """``(lo, mask)``: the first key position any query sees, and which keys from ``lo`` each
+        query sees (causal, within the window). Built once per step: every layer shares it."""
+        if self._mask is None:
+            ctx, n, window = self.context_len, self.query_len, self.window
+            lo = max(0, ctx - window + 1) if window else 0  # keys before the first query's window
+            key_pos = torch.arange(lo, ctx + n)[None, :]
+            query_pos = (ctx + torch.arange(n))[:, None]
+            mask = key_pos <= query_pos
+            if window:
+                mask &= key_pos > query_pos - window
+            self._mask = lo, mask
+        return self._mask
 
 
 @dataclass
@@ -168,14 +183,8 @@ class TorchPagedAttention:
             else:
                 keys = _gather_keys(k_cache, chunk.block_ids, total)
                 values = _gather_values(v_cache, chunk.block_ids, total)
-            # Keys before the first query's window are never seen: leave them out.
-            lo = max(0, ctx - window + 1) if window else 0
+            lo, mask = chunk.key_mask()
             keys, values = keys[:, lo:], values[:, lo:]
-            key_pos = torch.arange(lo, total)[None, :]
-            query_pos = (ctx + torch.arange(n))[:, None]
-            mask = key_pos <= query_pos
-            if window:
-                mask &= key_pos > query_pos - window
             causal = False
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
