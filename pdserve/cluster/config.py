@@ -2,14 +2,24 @@
 
 One YAML document whose sections are the components' own config dataclasses::
 
-    engine:        EngineConfig   (every worker)
+    engine:        EngineConfig   (every worker; with models: the base every model's engine overrides)
     router:        RouterConfig   (dispatch policy, admission, conditional disaggregation)
     auth:          AuthConfig     (API keys and the tenants they belong to; prefix-cache sharing)
     pools:         prefill/decode: replicas, Ray placement (num_cpus, num_gpus, resources), autoscaling
+    models:        several models, by the name clients send: each its engine and pools (over the two
+                   sections above), aliases; the router routes by the request's ``model``
     kv_transfer:   backend and lease
     state_store:   StateStoreConfig (memory, or a shared Redis: worker registry, load, KV events)
     launcher:      ray (Ray Serve deployments; the default) or processes
     ray:           RayConfig (the cluster to join or start, the Serve application)
+
+Without ``models`` the cluster serves one model (``engine``, ``pools``). With it, each entry is laid
+over those two sections (``expand_models``), so what all models share is written once::
+
+    engine: {kv_cache_memory_gb: 2.0}
+    models:
+      smollm2-135m-instruct: {aliases: [smollm2]}     # engine.model defaults to the name
+      gemma-3-270m: {pools: {decode: {replicas: 2}}}
 
 Precedence: built-in defaults, then the file, then command-line flags. Unknown keys, wrong types
 and impossible combinations are refused with a message naming the key
@@ -105,6 +115,51 @@ class PoolsConfig:
 
 
 @dataclass(frozen=True)
+class ModelDeployment:
+    """One served model: what clients call it, the engine its workers run, its own pools."""
+
+    name: str = doc("", "the name clients send as `model` (from the key under models:; empty: a one-model "
+                        "cluster, named as its workers report)")
+    aliases: list[str] = doc(default_factory=list, help="other names clients may send for this model")
+    engine: EngineConfig = doc(default_factory=EngineConfig, help="its workers' engine (over the top-level engine)")
+    pools: PoolsConfig = doc(default_factory=PoolsConfig, help="its prefill and decode pools (over the top-level "
+                                                               "pools)")
+
+    def __post_init__(self) -> None:
+        for alias in self.aliases:
+            if not isinstance(alias, str) or not alias:
+                raise ConfigError(f"aliases: expected non-empty names, got {alias!r}")
+
+
+def expand_models(data: dict[str, Any]) -> dict[str, Any]:
+    """The cluster mapping with every ``models`` entry laid over the top-level ``engine`` and
+    ``pools`` (an entry's engine.model defaults to its name). Idempotent."""
+    models = data.get("models")
+    if not models:
+        return data
+    if not isinstance(models, dict):
+        raise ConfigError(f"models: expected a mapping of model names to their sections, got "
+                          f"{type(models).__name__} {models!r}")
+    expanded = {}
+    for name, entry in models.items():
+        entry = {} if entry is None else entry
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"models: a model's name must be a non-empty string, got {name!r}")
+        if not isinstance(entry, dict):
+            raise ConfigError(f"models.{name}: expected a mapping (aliases, engine, pools), got "
+                              f"{type(entry).__name__} {entry!r}")
+        for key in ("engine", "pools"):
+            if not isinstance(entry.get(key) or {}, dict):
+                raise ConfigError(f"models.{name}.{key}: expected a mapping, got {entry[key]!r}")
+        engine = merge(data.get("engine") or {}, entry.get("engine") or {})
+        if "model" not in (entry.get("engine") or {}):
+            engine["model"] = name
+        pools = merge(data.get("pools") or {}, entry.get("pools") or {})
+        expanded[name] = {**entry, "name": entry.get("name", name), "engine": engine, "pools": pools}
+    return {**data, "models": expanded}
+
+
+@dataclass(frozen=True)
 class KVTransferConfig:
     backend: Literal["grpc", "torch"] = doc("grpc", "how prefill workers send KV to decode workers: grpc, or torch "
                                                     "(torch.distributed: gloo on CPU, nccl on GPU)")
@@ -121,6 +176,9 @@ class ServeConfig:
     auth: AuthConfig = doc(default_factory=AuthConfig, help="API keys and tenants (none: the API is open; the "
                                                             "router listens on 127.0.0.1 unless told otherwise)")
     pools: PoolsConfig = doc(default_factory=PoolsConfig, help="worker pools and their sizes")
+    models: dict[str, ModelDeployment] = doc(
+        default_factory=dict, help="several models by the name clients send, each with its engine and pools laid "
+                                   "over the sections above (empty: one model, engine and pools)")
     kv_transfer: KVTransferConfig = doc(default_factory=KVTransferConfig, help="KV transfer between the pools")
     state_store: StateStoreConfig = doc(default_factory=StateStoreConfig,
                                         help="where workers register and routers find them (memory, or redis)")
@@ -134,11 +192,21 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.ready_timeout_s <= 0:
             raise ConfigError(f"ready_timeout_s: must be positive, got {self.ready_timeout_s}")
-        if self.launcher == "processes":
-            for role in ("prefill", "decode"):
-                if getattr(self.pools, role).autoscaling is not None:
-                    raise ConfigError(f"pools.{role}.autoscaling: needs launcher: ray (plain processes have no "
-                                      f"autoscaler)")
+        for name, model in self.models.items():
+            if model.name not in ("", name):
+                raise ConfigError(f"models.{name}.name: the name is the key ({name!r}), got {model.name!r}")
+        names: dict[str, str] = {}
+        for m in self.served():
+            for n in (m.name, *m.aliases):
+                if n in names:
+                    raise ConfigError(f"models.{m.name}: the name {n!r} is already taken by models.{names[n]}")
+                names[n] = m.name
+            if self.launcher == "processes":
+                for role in ("prefill", "decode"):
+                    if getattr(m.pools, role).autoscaling is not None:
+                        where = f"models.{m.name}.pools" if m.name else "pools"
+                        raise ConfigError(f"{where}.{role}.autoscaling: needs launcher: ray (plain processes "
+                                          f"have no autoscaler)")
         if self.kv_transfer.lease_ms < 1:
             raise ConfigError(f"kv_transfer.lease_ms: must be positive, got {self.kv_transfer.lease_ms}")
         if self.kv_transfer.reservation_ttl_ms < self.kv_transfer.lease_ms:
@@ -152,6 +220,16 @@ class ServeConfig:
         if self.router.cost_prefill_tokens_per_s <= 0:
             raise ConfigError(f"router.cost_prefill_tokens_per_s: must be positive, got "
                               f"{self.router.cost_prefill_tokens_per_s}")
+
+
+    def served(self) -> list[ModelDeployment]:
+        """Every model this cluster serves (one, named as its workers report, without ``models``)."""
+        if not self.models:
+            return [ModelDeployment("", [], self.engine, self.pools)]
+        return [dataclasses.replace(m, name=name) for name, m in self.models.items()]
+
+    def model(self, name: str) -> ModelDeployment:
+        return next(m for m in self.served() if m.name == name)
 
 
 def read_yaml(path: str | Path | None) -> dict[str, Any]:
@@ -183,9 +261,27 @@ def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_serve_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> ServeConfig:
-    """Defaults, then the file at ``path``, then ``overrides`` (the command line's, same shape)."""
-    return from_dict(ServeConfig, merge(read_yaml(path), overrides or {}), owner="config")
+def load_serve_config(path: str | Path | None, overrides: dict[str, Any] | None = None,
+                      models: list[str] | None = None) -> ServeConfig:
+    """Defaults, then the file at ``path``, then ``overrides`` (the command line's, same shape).
+    ``models`` (``--model``, repeated): serve exactly these; one, without ``models`` in the file, is
+    ``engine.model``; entries of the file's ``models`` by these names keep their settings."""
+    data = merge(read_yaml(path), overrides or {})
+    if models and (len(models) > 1 or data.get("models")):
+        if len(set(models)) < len(models):
+            raise ConfigError(f"--model: a model is named twice: {models}")
+        file_models = data.get("models") if isinstance(data.get("models"), dict) else {}
+        data["models"] = {name: file_models.get(name) or {} for name in models}
+    elif models:
+        data["engine"] = {**(data.get("engine") or {}), "model": models[0]}
+    if isinstance(data.get("models"), dict):  # flags win over a model's own sections too
+        for key in ("engine", "pools"):
+            flags = (overrides or {}).get(key)
+            if flags:
+                data["models"] = {name: {**(entry or {}), key: merge((entry or {}).get(key) or {}, flags)}
+                                  if isinstance(entry or {}, dict) else entry
+                                  for name, entry in data["models"].items()}
+    return from_dict(ServeConfig, expand_models(data), owner="config")
 
 
 def to_yaml(config: Any) -> str:

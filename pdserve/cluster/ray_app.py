@@ -167,17 +167,23 @@ def _replica_env(interval_s: float, security: dict[str, str] | None = None) -> d
             "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": str(interval_s), **(security or {})}
 
 
-def deployment_options(config, role: str, security: dict[str, str] | None = None) -> dict[str, Any]:
-    """``Deployment.options(...)`` for a pool: placement, size or autoscaling, drain time, the
-    cluster token. Pure."""
-    pool = getattr(config.pools, role)
+def deployment_name(role: str, model: str = "") -> str:
+    """A pool's Serve deployment: PrefillWorker/DecodeWorker, with the model's name when several are
+    served (one deployment pair per model)."""
+    return f"{DEPLOYMENTS[role]}-{model}" if model else DEPLOYMENTS[role]
+
+
+def deployment_options(config, role: str, security: dict[str, str] | None = None, model: str = "") -> dict[str, Any]:
+    """``Deployment.options(...)`` for a pool (of ``model``, when several are served): placement, size
+    or autoscaling, drain time, the cluster token. Pure."""
+    pool = getattr(config.model(model).pools, role)
     interval = config.ray.metrics_interval_s
     actor: dict[str, Any] = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus,
                              "runtime_env": {"env_vars": _replica_env(interval, security)}}
     if pool.resources:
         actor["resources"] = dict(pool.resources)
     options: dict[str, Any] = {
-        "name": DEPLOYMENTS[role],
+        "name": deployment_name(role, model),
         "ray_actor_options": actor,
         # Serve waits for this long after calling the replica's __del__ (the drain) before killing it.
         "graceful_shutdown_timeout_s": pool.grace_s + 15.0,
@@ -295,7 +301,7 @@ class _PoolWorker:
 
     role = "decode"
 
-    async def __init__(self, cluster: dict, store=None):
+    async def __init__(self, cluster: dict, store=None, model: str = ""):
         import ray
 
         from pdserve.engine.engine import LLMEngine
@@ -303,8 +309,9 @@ class _PoolWorker:
         from pdserve.worker.server import WorkerServer
 
         config = _config(cluster)
-        pool = getattr(config.pools, self.role)
-        engine_config = config.engine
+        served = config.model(model)  # "": the one model of a cluster without models:
+        pool = getattr(served.pools, self.role)
+        engine_config = served.engine
         if engine_config.num_threads is None and pool.num_cpus >= 1:  # the CPUs Ray reserved for this replica
             engine_config = dataclasses.replace(engine_config, num_threads=int(pool.num_cpus))
         # (num_cpus 0, as on KubeRay where a pod hosts one replica: torch's default, or OMP_NUM_THREADS)
@@ -319,7 +326,7 @@ class _PoolWorker:
         store_config = config.state_store
         worker = WorkerConfig(
             host=host, port=0, grace_s=pool.grace_s,
-            worker_id=f"{self.role}-{self.replica}", kv_backend=config.kv_transfer.backend,
+            worker_id=f"{self.role}-{self.replica}", served_model_name=model, kv_backend=config.kv_transfer.backend,
             kv_lease_ms=config.kv_transfer.lease_ms, kv_reservation_ttl_ms=config.kv_transfer.reservation_ttl_ms,
             heartbeat_s=store_config.heartbeat_s, ttl_s=store_config.ttl_s)
         loop = asyncio.get_running_loop()
@@ -404,8 +411,9 @@ class PrefillWorker(_PoolWorker):
 class _RouterIngress:
     """The OpenAI API: pdserve's Router (its FastAPI app) with the workers the state store lists."""
 
-    def __init__(self, cluster: dict, store=None, prefill=None, decode=None):
-        from pdserve.engine.tokenizer import load_tokenizer
+    def __init__(self, cluster: dict, store=None, pools: dict | None = None):
+        """``pools``: each model's pool handles, {model name: {role: handle}} (scale from zero)."""
+        from pdserve.cluster.serve_cli import served_models
         from pdserve.router.app import Router
         from pdserve.router.auth import Authenticator
         from pdserve.router.discovery import StoreDiscovery
@@ -415,9 +423,10 @@ class _RouterIngress:
         rc = config.router
         pool = WorkerPool([], poll_interval_s=rc.poll_interval_s)
         discovery = StoreDiscovery(pool, _store_client(config, store), rc.poll_interval_s, config.state_store.ttl_s)
-        waker = PoolWaker(config, {"prefill": prefill, "decode": decode})
-        self.router = Router(config.router, pool, load_tokenizer(config.engine.model), config.engine.model, discovery,
-                             waker=waker, auth=Authenticator(config.auth.resolved()))
+        models = config.served()
+        wakers = {m.name: PoolWaker(m.pools, (pools or {}).get(m.name, {})) for m in models}
+        self.router = Router(config.router, pool, served_models(models), discovery, wakers=wakers,
+                             auth=Authenticator(config.auth.resolved()))
 
     def __serve_build_asgi_app__(self):
         return self.router.create_app()
@@ -435,11 +444,12 @@ class PoolWaker:
     prefills on the decode worker while the prefill pool starts.
     """
 
-    def __init__(self, config, handles: dict):
+    def __init__(self, pools, handles: dict):
+        """``pools``: the model's PoolsConfig; ``handles``: its pools' deployment handles by role."""
         self.handles = {}
         self.timeouts = {}
         for role, handle in handles.items():
-            a = getattr(config.pools, role).autoscaling
+            a = getattr(pools, role).autoscaling
             if handle is not None and a is not None and a.min_replicas == 0:
                 self.handles[role] = handle
                 self.timeouts[role] = a.cold_start_timeout_s
@@ -480,16 +490,18 @@ def build_app(args: dict):
     store = None
     if config.state_store.backend == "memory":
         store = StateStoreDeployment.bind(cluster["state_store"])
-    handles: dict[str, Any] = {}
-    for role, cls in (("prefill", PrefillWorker), ("decode", DecodeWorker)):
-        pool = getattr(config.pools, role)
-        if pool.replicas > 0 or pool.autoscaling is not None:
-            handles[role] = cls.options(**deployment_options(config, role, cluster_token.forwarded_env())).bind(
-                cluster, store)
+    handles: dict[str, dict[str, Any]] = {}  # one deployment pair per model
+    for model in config.served():
+        handles[model.name] = {}
+        for role, cls in (("prefill", PrefillWorker), ("decode", DecodeWorker)):
+            pool = getattr(model.pools, role)
+            if pool.replicas > 0 or pool.autoscaling is not None:
+                options = deployment_options(config, role, cluster_token.forwarded_env(), model.name)
+                handles[model.name][role] = cls.options(**options).bind(cluster, store, model.name)
     router = RouterDeployment.options(num_replicas=config.ray.router_replicas,
                             ray_actor_options={"num_cpus": config.ray.router_num_cpus, "runtime_env": {
                                 "env_vars": _replica_env(config.ray.metrics_interval_s,
                                                          cluster_token.forwarded_env())}},
                             max_ongoing_requests=config.router.max_concurrent_requests + config.router.queue_size + 64,
                             graceful_shutdown_timeout_s=30.0)
-    return router.bind(cluster, store, handles.get("prefill"), handles.get("decode"))
+    return router.bind(cluster, store, handles)

@@ -192,25 +192,26 @@ def check_placement(config, node_resources: list[dict[str, float]] | None = None
 
         node_resources = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     strict = not config.ray.address
-    for role in ("prefill", "decode"):
-        pool = getattr(config.pools, role)
+    for model, role in ((m, role) for m in config.served() for role in ("prefill", "decode")):
+        pool = getattr(model.pools, role)
+        prefix = f"models.{model.name}.pools" if model.name else "pools"
         if pool.replicas == 0 and pool.autoscaling is None:
             continue
         wanted = {k: v for k, v in {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}.items() if v > 0}
         if any(all(n.get(k, 0.0) >= v for k, v in wanted.items()) for n in node_resources):
             continue
-        keys = {"CPU": f"pools.{role}.num_cpus", "GPU": f"pools.{role}.num_gpus"}
+        keys = {"CPU": f"{prefix}.{role}.num_cpus", "GPU": f"{prefix}.{role}.num_gpus"}
         hint = ""
         for name, amount in wanted.items():  # name the first resource no node has enough of
             best = max((n.get(name, 0.0) for n in node_resources), default=0.0)
             if best < amount:
-                key = keys.get(name, f"pools.{role}.resources.{name}")
+                key = keys.get(name, f"{prefix}.{role}.resources.{name}")
                 message = (f"{key}: each {role} replica needs {amount:g} {name}, and no Ray node has that much "
                            f"(most on one node: {best:g})")
                 hint = f"; declare it (ray.resources in the config, or `ray start --resources '{{\"{name}\": N}}'`)"
                 break
         else:  # each is somewhere, but never all on one node
-            message = (f"pools.{role}: each {role} replica needs {wanted}, and no Ray node has all of it "
+            message = (f"{prefix}.{role}: each {role} replica needs {wanted}, and no Ray node has all of it "
                        f"(nodes: {[{k: n.get(k, 0.0) for k in wanted} for n in node_resources]})")
         if strict:
             raise ConfigError(message + hint)

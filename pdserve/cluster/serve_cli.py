@@ -16,10 +16,12 @@ log = logging.getLogger(__name__)
 
 
 def _serve_config(args: argparse.Namespace, **sections: dict):
-    """The effective ServeConfig: defaults, then ``--config``'s file, then the given flags."""
+    """The effective ServeConfig: defaults, then ``--config``'s file, then the given flags (``--model``,
+    repeated: the models to serve)."""
     from pdserve.cluster.config import load_serve_config
 
-    return load_serve_config(getattr(args, "config", None), {k: v for k, v in sections.items() if v})
+    return load_serve_config(getattr(args, "config", None), {k: v for k, v in sections.items() if v},
+                             models=getattr(args, "models", None))
 
 
 def _with_keys(cluster):
@@ -68,14 +70,22 @@ def _registration_options(store) -> dict:
     return {"redis": store.url, "heartbeat_s": store.heartbeat_s, "ttl_s": store.ttl_s}
 
 
-def _run_router(router_config, model: str, addresses: list[str], store=None, sock=None,
+def served_models(models) -> list:
+    """The router's ServedModel of each ModelDeployment (its tokenizer loaded)."""
+    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.router.models import ServedModel
+
+    return [ServedModel(m.engine.model, load_tokenizer(m.engine.model), m.name, tuple(m.aliases)) for m in models]
+
+
+def _run_router(router_config, models: list, addresses: list[str], store=None, sock=None,
                 on_signal=None, grace_s: float = 30.0, ready_timeout_s: float | None = None, auth=None) -> bool:
-    """Serve the router until a signal. With ``ready_timeout_s``, a thread prints the ready line once
-    /ready answers 200, or gives up after that long and stops the server: then returns False."""
+    """Serve the router for ``models`` (ModelDeployments) until a signal. With ``ready_timeout_s``, a
+    thread prints the ready line once /ready answers 200, or gives up after that long and stops the
+    server: then returns False."""
     import uvicorn
 
     from pdserve.cluster.startup import RouterServer
-    from pdserve.engine.tokenizer import load_tokenizer
     from pdserve.router.app import Router
     from pdserve.router.auth import AuthConfig, Authenticator, warn_if_open
     from pdserve.router.pool import WorkerPool
@@ -89,13 +99,14 @@ def _run_router(router_config, model: str, addresses: list[str], store=None, soc
         from pdserve.state.store import make_state_store
 
         discovery = StoreDiscovery(pool, make_state_store(store), router_config.poll_interval_s, store.ttl_s)
-    router = Router(router_config, pool, load_tokenizer(model), model, discovery, auth=authenticator)
+    router = Router(router_config, pool, served_models(models), discovery, auth=authenticator)
     server = RouterServer(uvicorn.Config(router.create_app(), host=router_config.host, port=router_config.port,
                                          log_level="warning", timeout_graceful_shutdown=grace_s), on_signal)
     log.info("router on http://%s:%d, workers: %s", router_config.host, router_config.port, ", ".join(addresses))
     gave_up = threading.Event()
     if ready_timeout_s is not None:
-        threading.Thread(target=_announce_when_ready, args=(server, model, router_config, ready_timeout_s, gave_up),
+        names = ", ".join(m.name or m.engine.model for m in models)
+        threading.Thread(target=_announce_when_ready, args=(server, names, router_config, ready_timeout_s, gave_up),
                          name="ready-line", daemon=True).start()
     server.run(sockets=[sock] if sock is not None else None)
     return not gave_up.is_set()
@@ -120,10 +131,9 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     die_with_launcher()  # started by a launcher (a test, a benchmark): it goes when that goes
 
-    engine = {"model": args.model} if args.model else {}
     store = {"backend": "redis", "url": args.redis} if args.redis else {}
-    cluster = _with_keys(_serve_config(args, router=collect_arguments(args, RouterConfig), engine=engine,
-                                       state_store=store, auth=_auth_overrides(args)))
+    cluster = _with_keys(_serve_config(args, router=collect_arguments(args, RouterConfig), state_store=store,
+                                       auth=_auth_overrides(args)))
     if not args.worker and cluster.state_store.backend == "memory":
         raise ValueError("give the workers' addresses (--worker HOST:PORT) or a state store to find them in "
                          "(--redis URL, or state_store in --config)")
@@ -132,7 +142,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     sock = bind_port(cluster.router.host, cluster.router.port)
     on_stop_signals(_stop_now)
     try:
-        _run_router(cluster.router, cluster.engine.model, args.worker or [], cluster.state_store, sock=sock,
+        _run_router(cluster.router, cluster.served(), args.worker or [], cluster.state_store, sock=sock,
                     auth=cluster.auth)
     finally:
         sock.close()
@@ -165,19 +175,35 @@ DISAGGREGATE_FROM_CPUS = 4
 
 def _effective_serve_config(args: argparse.Namespace):
     """The configuration pdserve serve runs: flags over the file over the defaults, with the pools'
-    default for a small machine (colocated) when neither sized the prefill pool; and why, if so."""
+    default for a small machine (colocated) for every model whose prefill pool neither sized; and
+    why, if so."""
     from pdserve.cluster.config import read_yaml
 
     cluster = _with_keys(_serve_config(args, **_serve_overrides(args)))
-    sized = args.prefill is not None or "prefill" in (read_yaml(getattr(args, "config", None)).get("pools") or {})
+    file = read_yaml(getattr(args, "config", None))
+    sized = args.prefill is not None or "prefill" in (file.get("pools") or {})
     cpus = len(os.sched_getaffinity(0))
-    if sized or cluster.ray.address or cluster.engine.device != "cpu" or cpus >= DISAGGREGATE_FROM_CPUS:
+    if sized or cluster.ray.address or cpus >= DISAGGREGATE_FROM_CPUS:
         return cluster, None
+
+    def colocated(pools, engine, entry: dict):
+        if engine.device != "cpu" or "prefill" in ((entry or {}).get("pools") or {}):
+            return pools, False
+        return dataclasses.replace(pools, prefill=dataclasses.replace(pools.prefill, replicas=0)), True
+
     why = (f"{cpus} CPUs: serving colocated (the decode worker prefills its own prompts with every core; a prefill "
            f"worker of its own would halve that and about double time to first token); --prefill 1 disaggregates "
            f"anyway")
-    pools = dataclasses.replace(cluster.pools, prefill=dataclasses.replace(cluster.pools.prefill, replicas=0))
-    return dataclasses.replace(cluster, pools=pools), why
+    if not cluster.models:
+        pools, changed = colocated(cluster.pools, cluster.engine, {})
+        return (dataclasses.replace(cluster, pools=pools), why) if changed else (cluster, None)
+    file_models = file.get("models") if isinstance(file.get("models"), dict) else {}
+    models, any_changed = {}, False
+    for name, m in cluster.models.items():
+        pools, changed = colocated(m.pools, m.engine, file_models.get(name))
+        models[name] = dataclasses.replace(m, pools=pools)
+        any_changed |= changed
+    return (dataclasses.replace(cluster, models=models), why) if any_changed else (cluster, None)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -264,7 +290,8 @@ def _deploy_and_announce(cluster, stop: threading.Event) -> int:
     url = local_url(cluster.router.host, cluster.router.port)
     try:
         if wait_until_ready(url, cluster.ready_timeout_s, stopped=stop.is_set):
-            announce(cluster.engine.model, url, f"Ray Serve application {cluster.ray.app_name!r}")
+            announce(", ".join(m.name or m.engine.model for m in cluster.served()), url,
+                     f"Ray Serve application {cluster.ray.app_name!r}")
     except TimeoutError as e:
         log.error("%s; stopping", e)
         return 1
@@ -281,16 +308,17 @@ def _serve_processes(cluster, why: str | None = None) -> int:
     sock = bind_port(cluster.router.host, cluster.router.port)  # a taken port: refused before any model loads
     if why:
         log.info(why)
-    grace_s = max(cluster.pools.prefill.grace_s, cluster.pools.decode.grace_s)
+    grace_s = max(pool.grace_s for m in cluster.served() for pool in (m.pools.prefill, m.pools.decode))
     on_stop_signals(_stop_now)
     workers = []
     try:
         for role, flags in _worker_commands(cluster, grace_s):
             workers.append(start_worker(role, flags))
-        log.info("starting %d prefill and %d decode worker(s) with %s", cluster.pools.prefill.replicas,
-                 cluster.pools.decode.replicas, cluster.engine.model)
+        for m in cluster.served():
+            log.info("starting %d prefill and %d decode worker(s) with %s%s", m.pools.prefill.replicas,
+                     m.pools.decode.replicas, m.engine.model, f" as {m.name!r}" if m.name else "")
         wait_ready(workers, timeout_s=cluster.ready_timeout_s)
-        served = _run_router(cluster.router, cluster.engine.model, [w.address for w in workers], cluster.state_store,
+        served = _run_router(cluster.router, cluster.served(), [w.address for w in workers], cluster.state_store,
                              sock=sock, on_signal=lambda: signal_workers(workers), grace_s=grace_s,
                              ready_timeout_s=cluster.ready_timeout_s, auth=cluster.auth)
     finally:
@@ -300,18 +328,25 @@ def _serve_processes(cluster, why: str | None = None) -> int:
 
 
 def _worker_commands(cluster, grace_s: float) -> list[tuple[str, list[str]]]:
-    """(role, flags) of every worker process: the engine's options, the transfer's, registration."""
-    n_prefill, n_decode = cluster.pools.prefill.replicas, cluster.pools.decode.replicas
-    engine_options = dataclasses.asdict(cluster.engine)
-    if cluster.engine.num_threads is None:
-        engine_options["num_threads"] = max(1, (os.cpu_count() or 1) // (n_decode + n_prefill))
-    flags = to_flags({**engine_options, "load_progress": False})
-    worker_flags = ["--host", "127.0.0.1", "--port", "0", "--grace-s", str(grace_s), *flags,
-                    "--kv-lease-ms", str(cluster.kv_transfer.lease_ms),
-                    "--kv-reservation-ttl-ms", str(cluster.kv_transfer.reservation_ttl_ms),
-                    *to_flags(_registration_options(cluster.state_store))]
-    decode_flags = ["--kv-backend", cluster.kv_transfer.backend]
-    return [("prefill", worker_flags)] * n_prefill + [("decode", worker_flags + decode_flags)] * n_decode
+    """(role, flags) of every worker process of every model: the engine's options, the model's name
+    (several models), the transfer's, registration. The machine's cores are split over them all."""
+    models = cluster.served()
+    n_workers = sum(m.pools.prefill.replicas + m.pools.decode.replicas for m in models)
+    commands = []
+    for m in models:
+        engine_options = dataclasses.asdict(m.engine)
+        if m.engine.num_threads is None:
+            engine_options["num_threads"] = max(1, (os.cpu_count() or 1) // n_workers)
+        flags = to_flags({**engine_options, "load_progress": False})
+        worker_flags = ["--host", "127.0.0.1", "--port", "0", "--grace-s", str(grace_s), *flags,
+                        *(["--served-model-name", m.name] if m.name else []),
+                        "--kv-lease-ms", str(cluster.kv_transfer.lease_ms),
+                        "--kv-reservation-ttl-ms", str(cluster.kv_transfer.reservation_ttl_ms),
+                        *to_flags(_registration_options(cluster.state_store))]
+        decode_flags = ["--kv-backend", cluster.kv_transfer.backend]
+        commands += [("prefill", worker_flags)] * m.pools.prefill.replicas
+        commands += [("decode", worker_flags + decode_flags)] * m.pools.decode.replicas
+    return commands
 
 
 CONFIG_HELP = "a cluster YAML file (see deploy/examples/); flags override its values"
@@ -346,7 +381,18 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{field_help(ServeConfig, 'ready_timeout_s')} (default: {ServeConfig.ready_timeout_s:g})")
     add_arguments(parser.add_argument_group("router"), RouterConfig)
     _add_key_arguments(parser)
-    add_arguments(parser.add_argument_group("engine (every worker)"), EngineConfig)
+    engine = parser.add_argument_group("engine (every worker)")
+    _add_model_argument(engine)
+    add_arguments(engine, EngineConfig, skip=("model",))
+
+
+def _add_model_argument(parser) -> None:
+    from pdserve.configs import field_help
+
+    parser.add_argument("--model", dest="models", action="append", metavar="MODEL", default=None,
+                        help=f"{field_help(EngineConfig, 'model')}. Repeat it to serve several models, each with its "
+                             f"own pools, routed by the request's `model` (the config's models: section, if any, "
+                             f"keeps its settings for these names) (default: the config's, else {EngineConfig.model})")
 
 
 def _add_key_arguments(parser: argparse.ArgumentParser) -> None:
@@ -396,10 +442,12 @@ def add_commands(sub) -> None:
     router.add_argument("--worker", action="append", metavar="HOST:PORT",
                         help="a worker's gRPC address (repeatable); with --redis, workers are also found there")
     router.add_argument("--redis", metavar="URL", default=None, help=REDIS_HELP)
-    router.add_argument("--model", default=None,
-                        help="model spec whose tokenizer and chat template to use (default: the config's engine.model, "
-                             f"else {EngineConfig.model})")
-    router.add_argument("--config", metavar="FILE", help=CONFIG_HELP + " (reads the router and engine.model sections)")
+    router.add_argument("--model", dest="models", action="append", metavar="MODEL", default=None,
+                        help="the model whose tokenizer and chat template to use (default: the config's, else "
+                             f"{EngineConfig.model}); repeat it for workers of several models, which then name "
+                             f"their model with --served-model-name")
+    router.add_argument("--config", metavar="FILE", help=CONFIG_HELP + " (reads the router, engine.model and "
+                                                                      "models sections)")
     add_arguments(router, RouterConfig)
     _add_key_arguments(router)
     router.set_defaults(func=cmd_router)

@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP API in front of the workers.
 
 A request's path: its API key, when keys are configured (401; router/auth.py: the tenant, whose
-cache salt the request gets) -> body within the limit (413, router/asgi.py) -> validate (pydantic; 400 naming
-the field) -> known model (404) -> admission (429 with Retry-After) -> chat template and
-tokenizer -> context check (400 context_length_exceeded) -> one worker request per choice,
-dispatched (router/dispatcher.py: colocated or disaggregated, retries, migration; 503 when no
-worker is up) -> stream (SSE) or collect -> usage. A client that goes away cancels its worker
-calls, which aborts the requests there. A large body is parsed and tokenised on a thread, so no
+cache salt the request gets) -> body within the limit (413, router/asgi.py) -> validate (pydantic;
+400 naming the field) -> the model, by name or alias (404 naming the served ones; router/models.py)
+-> admission (429 with Retry-After) -> chat template and tokenizer -> context check (400
+context_length_exceeded) -> one worker request per choice, dispatched among that model's workers
+(router/dispatcher.py: colocated or disaggregated, retries, migration; 503 when no worker is up)
+-> stream (SSE) or collect -> usage. A client that goes away cancels its worker calls, which
+aborts the requests there. A large body is parsed and tokenised on a thread, so no
 single request holds the event loop (``/health`` answers throughout).
 """
 
@@ -36,7 +37,6 @@ from prometheus_client import generate_latest
 
 from pdserve.configs import ConfigError, doc
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from pdserve.engine.tokenizer import ModelTokenizer
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.admission import TIER_CLASS, Admission, Refused
 from pdserve.router.asgi import body_limit, header, read_body, send_json, send_sse
@@ -47,6 +47,7 @@ from pdserve.router.discovery import StoreDiscovery
 from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.index_feed import PrefixIndexFeed
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.models import ModelWorkers, ServedModel
 from pdserve.router.openapi import document_plain_routes
 from pdserve.router.policy import POLICIES, DisaggregationConfig
 from pdserve.router.pool import WorkerPool
@@ -89,7 +90,8 @@ class RouterConfig:
 
     host: str = doc("127.0.0.1", "address the HTTP API listens on")
     port: int = doc(8000, "HTTP port of the OpenAI-compatible API")
-    served_model_name: str = doc("", "model name clients send (default: the name the workers serve)")
+    served_model_name: str = doc("", "one model: the name clients send (default: the name the workers serve); "
+                                     "several: each is named by its entry under models:")
     policy: Literal["cache_aware", "least_loaded", "round_robin", "random"] = doc(
         "cache_aware", "how a worker is chosen: cache_aware (least predicted seconds: the prompt's uncached part, "
                        "the queue ahead, the decode slowdown; router/cost.py), least_loaded, round_robin, random")
@@ -148,53 +150,96 @@ class RouterConfig:
 _INLINE_BODY_BYTES = 2048
 
 
+class _Model:
+    """One served model in a router: its workers (a view of the shared pool), tokenizer, dispatcher."""
+
+    def __init__(self, served: ServedModel, workers: ModelWorkers, dispatcher: Dispatcher, fixed_name: str):
+        self.served, self.workers, self.dispatcher = served, workers, dispatcher
+        self.tokenizer = served.tokenizer
+        self.fixed_name = fixed_name  # "" (one model, unnamed): as its workers report it
+
+    @property
+    def name(self) -> str:
+        if self.fixed_name:
+            return self.fixed_name
+        info = self.workers.model_info()
+        return info.model if info else self.served.spec
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.served.aliases)
+
+    @property
+    def max_model_len(self) -> int | None:
+        info = self.workers.model_info()
+        return info.max_model_len if info else None
+
+    def cards(self) -> list[dict]:
+        """Its /v1/models entries: the name, then each alias (``parent``: the name)."""
+        card = {"id": self.name, "object": "model", "created": 0, "owned_by": "pdserve", "root": self.served.spec,
+                "parent": None, "max_model_len": self.max_model_len}
+        return [card, *({**card, "id": alias, "parent": self.name} for alias in self.served.aliases)]
+
+
 class Router:
-    def __init__(self, config: RouterConfig, pool: WorkerPool, tokenizer: ModelTokenizer, model_spec: str,
-                 discovery: StoreDiscovery | None = None, waker=None, auth: Authenticator | None = None):
+    """``models``: what it serves, the first the default for a request without ``model``; their
+    workers all in ``pool`` (router/models.py); ``wakers``: scale from zero, per model name."""
+
+    def __init__(self, config: RouterConfig, pool: WorkerPool, models: list[ServedModel],
+                 discovery: StoreDiscovery | None = None, wakers: dict | None = None,
+                 auth: Authenticator | None = None):
+        if not models:
+            raise ConfigError("a router needs at least one model to serve")
+        if len(models) > 1 and (config.served_model_name or not all(m.name for m in models)):
+            raise ConfigError("several models: each is named by its entry under models:, not by "
+                              "router.served_model_name")
         self.config = config
         self.auth = auth or Authenticator(AuthConfig())  # no keys: open (the router listens on loopback)
         self.budgets = Budgets(self.auth.limits)  # per tenant, reserved at admission
-        self.pool = pool
+        self.pool = pool  # every model's workers
         self.discovery = discovery  # workers joining and leaving through the state store
-        self.tokenizer = tokenizer
-        self.model_spec = model_spec
         self.metrics = RouterMetrics()
         # The global prefix index, fed by the workers' KV events through the state store (none
         # without one: --worker addresses alone publish nowhere, and cache_aware knows only where
-        # it sent recent prompts).
+        # it sent recent prompts). Keyed by worker: one index serves every model.
         self.prefix_index = PrefixIndex()
         self.index_feed = (PrefixIndexFeed(self.prefix_index, discovery.store, pool, self.metrics)
                            if discovery is not None else None)
         disaggregation = DisaggregationConfig(config.disagg_min_prompt_tokens, config.disagg_min_uncached_tokens)
-        decode_policy, prefill_policy = POLICIES[config.policy](config.cost_model())
         # Without a state store no event ever confirms or corrects a route: remember them until
         # newer ones push them out (RecentRoutes.max_keys blocks).
         recent_s = config.recent_routes_s if discovery is not None else math.inf
         if config.policy != "cache_aware" or config.recent_routes_s <= 0:
             recent_s = None
-        self.dispatcher = Dispatcher(pool, decode_policy, prefill_policy, disaggregation,
-                                     self.metrics, waker=waker, wait_for_worker_s=config.startup_wait_s,
-                                     stream_idle_timeout_s=config.stream_idle_timeout_s, index=self.prefix_index,
-                                     cost_model=config.cost_model(), recent_routes_s=recent_s)
+        self.models: list[_Model] = []
+        for served in models:
+            workers = ModelWorkers(pool, served.name if len(models) > 1 else "")
+            decode_policy, prefill_policy = POLICIES[config.policy](config.cost_model())
+            dispatcher = Dispatcher(workers, decode_policy, prefill_policy, disaggregation,
+                                    self.metrics, waker=(wakers or {}).get(served.name),
+                                    wait_for_worker_s=config.startup_wait_s,
+                                    stream_idle_timeout_s=config.stream_idle_timeout_s, index=self.prefix_index,
+                                    cost_model=config.cost_model(), recent_routes_s=recent_s)
+            self.models.append(_Model(served, workers, dispatcher, served.name or config.served_model_name))
         self.admission = Admission(config.max_concurrent_requests, config.queue_size, config.queue_timeout_s)
         self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                             thread_name_prefix="router-prepare")
 
-    @property
-    def model_name(self) -> str:
-        if self.config.served_model_name:
-            return self.config.served_model_name
-        info = self.pool.model_info()
-        return info.model if info else self.model_spec
-
-    @property
-    def max_model_len(self) -> int | None:
-        info = self.pool.model_info()
-        return info.max_model_len if info else None
+    def model(self, name: str | None) -> _Model:
+        """The served model a request names (by its name or an alias; none: the first); 404 otherwise."""
+        if name is None:
+            return self.models[0]
+        for m in self.models:
+            if name in m.names:
+                return m
+        served = [n for m in self.models for n in m.names]
+        raise OpenAIError(404, f"model {name!r} does not exist; served: {', '.join(map(repr, served))}",
+                          type="not_found_error", param="model", code="model_not_found")
 
     @property
     def body_limit(self) -> int:
-        return body_limit(self.max_model_len, self.config.max_body_bytes)
+        # read before the body names its model: the largest of theirs
+        return max(body_limit(m.max_model_len, self.config.max_body_bytes) for m in self.models)
 
     async def _off_loop(self, size: int, fn: Callable, *args):
         """``fn(*args)`` here for a small body, on a thread for a large one (the loop keeps serving)."""
@@ -232,9 +277,7 @@ class Router:
 
         @app.get("/v1/models")
         async def models():
-            card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-                    "root": self.model_spec, "max_model_len": self.max_model_len}
-            return {"object": "list", "data": [card]}
+            return {"object": "list", "data": [card for m in self.models for card in m.cards()]}
 
         @app.get("/health")
         async def health():
@@ -242,7 +285,7 @@ class Router:
 
         @app.get("/ready")
         async def ready():
-            ok, reason = readiness(self.pool, self.dispatcher.waker)
+            ok, reason = self.readiness()
             workers = [{"address": w.address, "worker_id": w.worker_id, "role": w.info.role if w.info else None,
                         "healthy": w.healthy} for w in self.pool.workers]
             return JSONResponse({"ready": ok, "reason": reason, "workers": workers}, status_code=200 if ok else 503)
@@ -326,27 +369,32 @@ class Router:
 
     async def _tokenize(self, raw: bytes, _tenant: Tenant) -> dict:
         body = await self._off_loop(len(raw), parse_tokenize, raw)
-        self._check_model(body.model)
-        answer = await self._off_loop(len(raw), tokenize, self.tokenizer, body, self.max_model_len)
+        model = self.model(body.model)
+        answer = await self._off_loop(len(raw), tokenize, model.tokenizer, body, model.max_model_len)
         self.metrics.requests.labels("/tokenize", "200").inc()
         return answer
 
     async def _detokenize(self, raw: bytes, _tenant: Tenant) -> dict:
         body = await self._off_loop(len(raw), parse_body, DetokenizeRequest, raw)
-        self._check_model(body.model)
-        answer = await self._off_loop(len(raw), detokenize, self.tokenizer, body)
+        answer = await self._off_loop(len(raw), detokenize, self.model(body.model).tokenizer, body)
         self.metrics.requests.labels("/detokenize", "200").inc()
         return answer
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise OpenAIError(404, f"model {model!r} does not exist; served: {self.model_name!r}",
-                              type="not_found_error", param="model", code="model_not_found")
+    def readiness(self) -> tuple[bool, str]:
+        """Ready when every model is (readiness below); the reason names a model that is not."""
+        answers = [(m, *readiness(m.workers, m.dispatcher.waker)) for m in self.models]
+        if len(answers) == 1:
+            return answers[0][1:]
+        waiting = [(m, reason) for m, ok, reason in answers if not ok]
+        if waiting:
+            return False, "; ".join(f"{m.name}: {reason}" for m, reason in waiting)
+        return True, f"every model ({', '.join(m.name for m in self.models)}) has a decode worker in rotation"
 
-    async def _admit(self, body: ChatCompletionRequest | CompletionRequest, tenant: Tenant) -> tuple[str, int]:
+    async def _admit(self, body: ChatCompletionRequest | CompletionRequest,
+                     tenant: Tenant) -> tuple[_Model, str, int]:
         """Before tokenising: the model, the service class the tenant may use, its request budget, then
-        room for the request's sequences (waiting in its class's queue). (tier, sequences)"""
-        self._check_model(body.model)
+        room for the request's sequences (waiting in its class's queue). (model, tier, sequences)"""
+        model = self.model(body.model)
         tier = service_tier(body, tenant)
         try:
             self.budgets.admit(tenant.name)
@@ -359,13 +407,13 @@ class Router:
             self.metrics.errors.labels(f"refused_{tier}").inc()
             raise OpenAIError(429, f"{e}; retry shortly", type="rate_limit_error", code="rate_limit_exceeded",
                               headers={"Retry-After": str(self.config.retry_after_s)}) from None
-        return tier, sequences
+        return model, tier, sequences
 
     def _reserve(self, tenant: Tenant, params: SamplingParams, prompts: list[tuple[list[int], str]],
-                 sequences: int) -> Reservation | None:
-        """The tenant's tokens (prompt tokens + max_tokens x n; unset: what the context leaves) and
-        sequences, held until the request ends."""
-        limit = self.max_model_len or 0
+                 sequences: int, limit: int | None) -> Reservation | None:
+        """The tenant's tokens (prompt tokens + max_tokens x n; unset: what the context, ``limit``,
+        leaves) and sequences, held until the request ends."""
+        limit = limit or 0
         tokens = sum(len(ids) + params.n * (params.max_tokens or max(limit - len(ids), 0)) for ids, _ in prompts)
         try:
             return self.budgets.reserve(tenant.name, tokens, sequences)
@@ -376,24 +424,24 @@ class Router:
                      started: float, tenant: Tenant = OPEN) -> dict | AsyncIterator[bytes]:
         """The JSON response, or the SSE body to stream; errors before any output raise OpenAIError."""
         endpoint = f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}"
-        tier, sequences = await self._admit(body, tenant)  # its sequences are held from here to its end
+        model, tier, sequences = await self._admit(body, tenant)  # its sequences are held from here to its end
         reservation = None
         self.metrics.in_flight.inc()
         stream = None
         try:
-            params, prompts = await self._off_loop(size, self._prepare, kind, body)
+            params, prompts = await self._off_loop(size, self._prepare, kind, body, model)
             params = params.replace(priority=body.priority if body.priority is not None else TIER_CLASS[tier])
-            reservation = self._reserve(tenant, params, prompts, sequences)
+            reservation = self._reserve(tenant, params, prompts, sequences, model.max_model_len)
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             choices, requests = self._requests(rid, body, params, prompts, tenant.cache_salt(body.cache_salt))
-            stream = _merge([self.dispatcher.run(r) for r in requests])
+            stream = _merge([model.dispatcher.run(r) for r in requests])
             first = await self._first(stream)  # errors before any output become HTTP statuses
         except BaseException:
             self._done(sequences, reservation, used_tokens=0)
             if stream is not None:
                 await stream.aclose()
             raise
-        fmt = Formatter(self.tokenizer, rid, body.model, chat=kind == "chat", service_tier=tier)
+        fmt = Formatter(model.tokenizer, rid, model.name, chat=kind == "chat", service_tier=tier)
         want_logprobs = (body.logprobs if kind == "chat" else body.logprobs is not None)
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
         run = _Run(self, fmt, choices, want_logprobs, prompt_tokens, started, endpoint, params.n, reservation, tier)
@@ -424,7 +472,7 @@ class Router:
                     sampling=sampling_to_proto(params.replace(n=1, seed=seed))))
         return choices, requests
 
-    def _prepare(self, kind: str, body) -> tuple[SamplingParams, list[tuple[list[int], str]]]:
+    def _prepare(self, kind: str, body, model: _Model) -> tuple[SamplingParams, list[tuple[list[int], str]]]:
         """Sampling parameters and (prompt ids, echo prefix) per prompt; 400s name the field."""
         try:
             params = body.engine_params()
@@ -432,7 +480,7 @@ class Router:
             raise OpenAIError(400, str(e), param=field_of_engine_error(e, body)) from e
         if kind == "chat":
             try:
-                prompts = [(self.tokenizer.encode_chat(body.template_messages(), body.add_generation_prompt), "")]
+                prompts = [(model.tokenizer.encode_chat(body.template_messages(), body.add_generation_prompt), "")]
             except Exception as e:  # a template may raise on inputs it does not accept
                 raise OpenAIError(400, f"messages: cannot apply the chat template: {e}", param="messages") from e
         else:
@@ -442,26 +490,13 @@ class Router:
                                        f"(--max-batch)", param="prompt")
             prompts = []
             for p in body.prompts():
-                ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-                echo = (p if isinstance(p, str) else self.tokenizer.decode(ids)) if body.echo else ""
+                ids = model.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                echo = (p if isinstance(p, str) else model.tokenizer.decode(ids)) if body.echo else ""
                 prompts.append((ids, echo))
         for ids, _ in prompts:
-            self._check_context(kind, ids, params)
+            _check_context(kind, ids, params, model.max_model_len)
         return params, prompts
 
-    def _check_context(self, kind: str, ids: list[int], params: SamplingParams) -> None:
-        field = "messages" if kind == "chat" else "prompt"
-        if not ids:
-            raise OpenAIError(400, f"{field}: the prompt is empty", param=field)
-        limit = self.max_model_len
-        if limit is None:
-            return
-        wanted = len(ids) + (params.max_tokens or 1)
-        if len(ids) >= limit or wanted > limit:
-            raise OpenAIError(
-                400, f"This model's maximum context length is {limit} tokens. However, you requested {wanted} "
-                f"tokens ({len(ids)} in the {field}, {params.max_tokens or 1} for the completion).",
-                param=field, code="context_length_exceeded")
 
     async def _first(self, stream):
         try:
@@ -478,6 +513,20 @@ class Router:
         self.admission.release(sequences)
         self.metrics.in_flight.dec()
         self.budgets.release(reservation, used_tokens)
+
+
+def _check_context(kind: str, ids: list[int], params: SamplingParams, limit: int | None) -> None:
+    field = "messages" if kind == "chat" else "prompt"
+    if not ids:
+        raise OpenAIError(400, f"{field}: the prompt is empty", param=field)
+    if limit is None:
+        return
+    wanted = len(ids) + (params.max_tokens or 1)
+    if len(ids) >= limit or wanted > limit:
+        raise OpenAIError(
+            400, f"This model's maximum context length is {limit} tokens. However, you requested {wanted} "
+            f"tokens ({len(ids)} in the {field}, {params.max_tokens or 1} for the completion).",
+            param=field, code="context_length_exceeded")
 
 
 def service_tier(body: ChatCompletionRequest | CompletionRequest, tenant: Tenant) -> str:

@@ -176,8 +176,13 @@ class WorkerPool:
         return next(w for w in self.workers if w.worker_id == worker_id)
 
     def model_info(self) -> pb.WorkerInfo | None:
-        infos = [w.info for w in self.workers if w.info is not None]
-        return next((i for i in infos if i.role == "decode"), infos[0] if infos else None)
+        return model_info(self.workers)
+
+
+def model_info(workers: list[WorkerHandle]) -> pb.WorkerInfo | None:
+    """The model's description as its workers give it: a decode worker's, else any one's."""
+    infos = [w.info for w in workers if w.info is not None]
+    return next((i for i in infos if i.role == "decode"), infos[0] if infos else None)
 
 
 def _open(w: WorkerHandle) -> None:

@@ -16,6 +16,9 @@ class WorkerConfig:
     host: str = doc("127.0.0.1", "address to serve gRPC on")
     port: int = doc(50051, "gRPC port (0: any free port)")
     worker_id: str = doc("", "name in load snapshots and logs (default: role-host-port)")
+    served_model_name: str = doc("", "the model's name as routers know it, in Info and the state store (a "
+                                     "router serving several models routes by it; default: the engine's model "
+                                     "name)")
     metrics_port: int | None = doc(None, "serve Prometheus metrics over HTTP on this port; 0 takes a free port, "
                                          "printed in the ready line as metrics=PORT (default: off)")
     grace_s: float = doc(30.0, "on SIGTERM, how long in-flight requests may take to finish")

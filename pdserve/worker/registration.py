@@ -32,10 +32,10 @@ class Registration:
         self._task: asyncio.Task | None = None
 
     def record(self) -> WorkerRecord:
-        s, engine = self.servicer.snapshot(), self.servicer.engine.engine
+        s = self.servicer.snapshot()
         return WorkerRecord(
             worker_id=self.servicer.worker_id, role=self.servicer.role, address=self.servicer.address,
-            model=engine.model_name, model_fingerprint=self.servicer.layout.model_fingerprint,
+            model=self.servicer.model_name, model_fingerprint=self.servicer.layout.model_fingerprint,
             num_running=s.num_running, num_waiting=s.num_waiting, kv_usage=s.kv_usage,
             waiting_prompt_tokens=s.waiting_prompt_tokens, draining=s.draining, timestamp=s.timestamp)
 

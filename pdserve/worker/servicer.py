@@ -64,6 +64,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.metrics = WorkerMetrics(engine.engine.kv.pool.events)
         self.layout = engine_layout(engine.engine)
 
+    @property
+    def model_name(self) -> str:
+        """The name routers know this worker's model by: --served-model-name, else the engine's."""
+        return self.config.served_model_name or self.engine.engine.model_name
+
     # ---- hooks of a role ------------------------------------------------------------------------
 
     def on_start(self) -> None:
@@ -165,7 +170,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Info(self, request, context) -> pb.WorkerInfo:
         engine = self.engine.engine
         return pb.WorkerInfo(
-            worker_id=self.worker_id, role=self.role, model=engine.model_name,
+            worker_id=self.worker_id, role=self.role, model=self.model_name,
             model_fingerprint=self.layout.model_fingerprint, max_model_len=engine.max_model_len,
             block_size=engine.block_size, version=pdserve.__version__,
         )

@@ -24,7 +24,68 @@ def test_examples_exist():
 def test_every_example_validates(path):
     config = load_serve_config(path)
     assert isinstance(config, ServeConfig)
-    assert config.pools.decode.replicas >= 1
+    assert all(m.pools.decode.replicas >= 1 for m in config.served())
+
+
+def test_each_model_is_laid_over_the_shared_sections(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("engine: {kv_cache_memory_gb: 1.5, max_num_seqs: 8}\npools: {decode: {replicas: 2}}\n"
+                    "models:\n  small: {aliases: [s], engine: {model: smollm2-135m-instruct}}\n"
+                    "  gemma-3-270m: {engine: {max_num_seqs: 4}, pools: {prefill: {replicas: 0}}}\n")
+    small, gemma = load_serve_config(path).served()
+    assert (small.name, small.aliases, small.engine.model) == ("small", ["s"], "smollm2-135m-instruct")
+    assert (gemma.name, gemma.engine.model) == ("gemma-3-270m", "gemma-3-270m")  # engine.model: the name
+    assert (small.engine.kv_cache_memory_gb, small.engine.max_num_seqs) == (1.5, 8)
+    assert (gemma.engine.kv_cache_memory_gb, gemma.engine.max_num_seqs) == (1.5, 4)
+    assert (small.pools.prefill.replicas, small.pools.decode.replicas) == (1, 2)
+    assert (gemma.pools.prefill.replicas, gemma.pools.decode.replicas) == (0, 2)
+    # flags win over a model's own sections too
+    gemma = load_serve_config(path, {"engine": {"max_num_seqs": 2}, "pools": {"prefill": {"replicas": 1}}}).served()[1]
+    assert (gemma.engine.max_num_seqs, gemma.pools.prefill.replicas) == (2, 1)
+
+
+def test_model_repeated_on_the_command_line_serves_exactly_those(tmp_path):
+    config = load_serve_config(None, models=["smollm2-135m-instruct", "gemma-3-270m"])
+    assert [(m.name, m.engine.model, m.pools.decode.replicas) for m in config.served()] == [
+        ("smollm2-135m-instruct", "smollm2-135m-instruct", 1), ("gemma-3-270m", "gemma-3-270m", 1)]
+    assert [m.name for m in load_serve_config(None, models=["gemma-3-270m"]).served()] == [""]  # one: as before
+    path = tmp_path / "c.yaml"
+    path.write_text("models: {a: {aliases: [x], engine: {model: smollm2-135m-instruct}}, b: {}}\n")
+    (a,) = load_serve_config(path, models=["a"]).served()  # the file's settings for a name it has
+    assert (a.name, a.aliases) == ("a", ["x"])
+    with pytest.raises(ConfigError, match="named twice"):
+        load_serve_config(None, models=["a", "a"])
+
+
+@pytest.mark.parametrize(("models", "message"), [
+    ("[a, b]", "models: expected a mapping of model names"),
+    ("{a: {aliases: [b]}, b: {}}", "models.b: the name 'b' is already taken by models.a"),
+    ("{a: {engine: {modle: x}}}", "config.models.a.engine: unknown key(s) ['modle']"),
+    ("{a: {pools: {decode: {replicas: 0}}}}", "config.models.a.pools.decode.replicas: at least one decode worker"),
+    ("{a: {name: b}}", "models.a.name: the name is the key"),
+    ("{a: 3}", "models.a: expected a mapping"),
+])
+def test_bad_models_are_refused_naming_the_key(tmp_path, models, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"models: {models}\n")
+    with pytest.raises(ConfigError) as e:
+        load_serve_config(path)
+    assert message in str(e.value)
+
+
+def test_the_processes_launcher_starts_each_models_pools_under_its_name():
+    from pdserve.cluster.serve_cli import _worker_commands
+
+    config = load_serve_config(None, {"launcher": "processes", "pools": {"prefill": {"replicas": 0}},
+                                      "models": {"small": {"engine": {"model": "smollm2-135m-instruct"}},
+                                                 "gemma-3-270m": {"pools": {"decode": {"replicas": 2}}}}})
+    commands = _worker_commands(config, grace_s=5.0)
+    assert [role for role, _ in commands] == ["decode", "decode", "decode"]
+    named = [(flags[flags.index("--served-model-name") + 1], flags[flags.index("--model") + 1])
+             for _, flags in commands]
+    assert named == [("small", "smollm2-135m-instruct"), ("gemma-3-270m", "gemma-3-270m"),
+                     ("gemma-3-270m", "gemma-3-270m")]
+    assert all("--served-model-name" not in flags for _, flags in _worker_commands(load_serve_config(None), 5.0))
 
 
 def test_defaults_serve_disaggregated():

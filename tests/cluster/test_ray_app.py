@@ -152,6 +152,21 @@ def test_the_application_builder_refuses_bad_args_before_deploying():
                                                                             "max_replicas": 2}}}}})
 
 
+def test_each_model_gets_its_own_deployment_pair_with_its_pools():
+    config = load_serve_config(None, {"models": {
+        "smollm2-135m-instruct": {"pools": {"prefill": {"replicas": 0}}},
+        "gemma-3-270m": {"pools": {"decode": {"replicas": 2, "num_cpus": 2}}}}})
+    names = [deployment_options(config, role, model=m.name)["name"] for m in config.served()
+             for role in ("prefill", "decode")]
+    assert names == ["PrefillWorker-smollm2-135m-instruct", "DecodeWorker-smollm2-135m-instruct",
+                     "PrefillWorker-gemma-3-270m", "DecodeWorker-gemma-3-270m"]
+    assert deployment_options(config, "prefill", model="smollm2-135m-instruct")["num_replicas"] == 0
+    gemma = deployment_options(config, "decode", model="gemma-3-270m")
+    assert (gemma["num_replicas"], gemma["ray_actor_options"]["num_cpus"]) == (2, 2.0)
+    with pytest.raises(ConfigError, match=r"models.gemma-3-270m.pools.decode.num_cpus: each decode replica needs 2"):
+        check_placement(config, node_resources=[{"CPU": 1.0}])
+
+
 NODES = [{"CPU": 8.0, "prefill": 1.0}, {"CPU": 8.0, "GPU": 1.0, "decode": 2.0}]
 
 
@@ -212,6 +227,6 @@ def test_decode_may_start_at_zero_only_when_it_can_scale_from_zero():
     config = load_serve_config(None, {"pools": {"decode": {"replicas": 0, "autoscaling": {"min_replicas": 0,
                                                                                        "max_replicas": 2}}}})
     assert config.pools.decode.replicas == 0
-    waker = ray_app.PoolWaker(config, {"prefill": object(), "decode": object()})
+    waker = ray_app.PoolWaker(config.pools, {"prefill": object(), "decode": object()})
     assert waker.can_wake("decode") and not waker.can_wake("prefill")  # prefill has no autoscaling here
     assert waker.timeouts["decode"] == config.pools.decode.autoscaling.cold_start_timeout_s

@@ -40,13 +40,14 @@ def alive(pid: int) -> bool:
 
 
 def start_serve(*flags: str, launcher: str = "processes", cwd: str | None = None, env: dict | None = None,
-                command: list[str] | None = None, timeout: float = 180) -> tuple[subprocess.Popen, str]:
+                command: list[str] | None = None, timeout: float = 180,
+                models: tuple[str, ...] = ("random:tiny",)) -> tuple[subprocess.Popen, str]:
     """``pdserve serve`` in a session of its own (so a test can signal its whole process group), returned
     once it prints its ready line: from then on, requests must be served."""
     port = free_port()
     command = command or [sys.executable, "-m", "pdserve.cluster.cli"]
     proc = subprocess.Popen([*command, "--log-level", "WARNING", "serve", "--launcher", launcher, "--port", str(port),
-                             "--model", "random:tiny", "--num-kv-blocks", "64", *flags],
+                             *(f for m in models for f in ("--model", m)), "--num-kv-blocks", "64", *flags],
                             stdout=subprocess.PIPE, text=True, cwd=cwd, env=env, start_new_session=True)
     ready = threading.Event()
     url = f"http://127.0.0.1:{port}"

@@ -11,6 +11,7 @@ import pytest
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.app import Router, RouterConfig
+from pdserve.router.models import ServedModel
 from pdserve.router.pool import WorkerHandle, WorkerPool
 
 MODEL = "smollm2-135m-instruct"
@@ -39,7 +40,7 @@ def make_client(tokenizer):
     def make(workers: list[WorkerHandle] = (), waker=None, auth=None, **config) -> httpx.AsyncClient:
         pool = WorkerPool([])
         pool.workers = list(workers)
-        router = Router(RouterConfig(**config), pool, tokenizer, MODEL, waker=waker, auth=auth)
+        router = Router(RouterConfig(**config), pool, [ServedModel(MODEL, tokenizer)], wakers={"": waker}, auth=auth)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=router.create_app()), base_url="http://router")
         client.router = router  # for tests that act on its pool
         clients.append(client)

@@ -22,7 +22,10 @@ from pdserve.router.app import Router, RouterConfig
 from pdserve.router.discovery import StoreDiscovery
 from pdserve.router.pool import WorkerPool
 
-router = Router(RouterConfig(), WorkerPool([]), load_tokenizer("smollm2-135m-instruct"), "smollm2-135m-instruct")
+from pdserve.router.models import ServedModel
+
+model = "smollm2-135m-instruct"
+router = Router(RouterConfig(), WorkerPool([]), [ServedModel(model, load_tokenizer(model))])
 router.create_app()
 """ + CHECK
 

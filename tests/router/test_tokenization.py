@@ -73,12 +73,13 @@ def test_a_model_without_a_chat_template_answers_chat_with_a_400_saying_so():
 
     from pdserve.engine.tokenizer import load_tokenizer
     from pdserve.router.app import Router, RouterConfig
+    from pdserve.router.models import ServedModel
     from pdserve.router.pool import WorkerPool
 
     pool = WorkerPool([])
     pool.workers = [in_rotation("decode")]
     gemma = "gemma-3-270m"
-    router = Router(RouterConfig(served_model_name=gemma), pool, load_tokenizer(gemma), gemma)
+    router = Router(RouterConfig(served_model_name=gemma), pool, [ServedModel(gemma, load_tokenizer(gemma))])
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=router.create_app()), base_url="http://router")
     for path, body in (("/v1/chat/completions", {"model": "gemma-3-270m", "messages": HI, "max_tokens": 4}),
                        ("/tokenize", {"model": "gemma-3-270m", "messages": HI})):
