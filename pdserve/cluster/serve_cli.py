@@ -47,7 +47,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
                       "kv_reservation_ttl_ms": cluster.kv_transfer.reservation_ttl_ms,
                       **_registration_options(cluster.state_store), **collect_arguments(args, WorkerConfig)}
     worker = from_dict(WorkerConfig, worker_options)
-    engine = LLMEngine(cluster.engine)
+    # A worker of one of the config's models (--served-model-name NAME, as the Helm chart starts them)
+    # runs that model's engine.
+    engine_config = cluster.models[worker.served_model_name].engine if worker.served_model_name in cluster.models \
+        else cluster.engine
+    engine = LLMEngine(engine_config)
     if args.role == "prefill":
         from pdserve.prefill_worker.server import PrefillServicer as servicer
     else:

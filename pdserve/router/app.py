@@ -226,13 +226,16 @@ class Router:
                                             thread_name_prefix="router-prepare")
 
     def model(self, name: str | None) -> _Model:
-        """The served model a request names (by its name or an alias; none: the first); 404 otherwise."""
+        """The served model a request names (by its name or an alias; none: the only one); 404 otherwise."""
+        served = [n for m in self.models for n in m.names]
         if name is None:
-            return self.models[0]
+            if len(self.models) == 1:
+                return self.models[0]
+            raise OpenAIError(400, f"model: required when several models are served: "
+                                   f"{', '.join(map(repr, served))}", param="model")
         for m in self.models:
             if name in m.names:
                 return m
-        served = [n for m in self.models for n in m.names]
         raise OpenAIError(404, f"model {name!r} does not exist; served: {', '.join(map(repr, served))}",
                           type="not_found_error", param="model", code="model_not_found")
 

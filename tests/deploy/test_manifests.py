@@ -42,6 +42,12 @@ RAYSERVICE = DEPLOY / "kuberay" / "rayservice.yaml"
 K8S_VERSION = "1.33"  # the Kubernetes API the built-in objects are validated against
 NAMESPACE = "serving"
 
+# Several models (the chart's models list): each its pools, one over the defaults.
+TWO_MODELS = [{"name": "smollm2-135m-instruct", "aliases": ["smollm2"]},
+              {"name": "gemma-3-270m", "engine": {"max_model_len": 8192},
+               "pools": {"prefill": {"replicas": 0, "autoscaling": {"min_replicas": 0}},
+                         "decode": {"replicas": 2, "autoscaling": {"max_replicas": 3}}}}]
+
 # Chart values for each mode the chart has, laid over values.yaml.
 MODES = {
     "default": {},
@@ -62,6 +68,9 @@ MODES = {
     "ray-tls": {"ray": {"enabled": True}, "tls": {"existingSecret": "pdserve-tls"}},
     "ray-tls-api-keys": {"ray": {"enabled": True}, "tls": {"existingSecret": "pdserve-tls"},
                          "auth": {"existingSecret": "my-keys"}},
+    "two-models": {"models": TWO_MODELS},
+    "two-models-redis": {"models": TWO_MODELS, "redis": {"enabled": True}},
+    "ray-two-models": {"ray": {"enabled": True}, "models": TWO_MODELS},
 }
 
 
@@ -267,30 +276,36 @@ def check_rayservice(obj: dict) -> None:
 
 
 def check_serve_config(config: dict, groups: dict) -> None:
-    """pdserve's Serve application: its cluster YAML, its deployments, each pool's policy and worker group."""
+    """pdserve's Serve application: its cluster YAML, its deployments (a pool pair per model), each pool's
+    policy, and the worker group of its role (shared by the models: its bounds are the sums of theirs)."""
     check_ray_serve_schema(config)
     (app,) = config["applications"]
-    load_serve_config(None, app["args"]["cluster"])  # validates, naming any bad key
+    served = load_serve_config(None, app["args"]["cluster"]).served()  # validates, naming any bad key
     deployments = {d["name"]: d for d in app["deployments"]}
-    assert set(deployments) == {"Router", "PrefillWorker", "DecodeWorker"}
+    suffix = {m.name: f"-{m.name}" if m.name else "" for m in served}
+    assert set(deployments) == {"Router"} | {f"{role.title()}Worker{suffix[m.name]}" for m in served
+                                             for role in ("prefill", "decode")}
     for role in ("prefill", "decode"):
-        d = deployments[f"{role.title()}Worker"]
-        assert d["ray_actor_options"]["resources"] == {role: 1}
         group, advertised = groups[role]
         assert advertised == {role: 1}, f"the {role} group must advertise {{{role}: 1}}, one replica per pod"
-        auto = d["autoscaling_config"]
-        kwargs = dict(auto["policy"]["policy_kwargs"])
-        assert kwargs.pop("role") == role
-        policy = from_dict(AutoscalingConfig, kwargs, owner=f"{role} policy_kwargs")
+        bounds = [0, 0]
+        for model in served:
+            d = deployments[f"{role.title()}Worker{suffix[model.name]}"]
+            assert d["ray_actor_options"]["resources"] == {role: 1}
+            auto = d["autoscaling_config"]
+            kwargs = dict(auto["policy"]["policy_kwargs"])
+            assert kwargs.pop("role") == role
+            policy = from_dict(AutoscalingConfig, kwargs, owner=f"{role} policy_kwargs")
+            assert (auto["min_replicas"], auto["max_replicas"]) == (policy.min_replicas, policy.max_replicas)
+            bounds = [bounds[0] + policy.min_replicas, bounds[1] + policy.max_replicas]
+            # The application's own config says the same (its defaults; the router's scale-from-zero reads it).
+            pool = getattr(model.pools, role)
+            assert pool.autoscaling == policy and pool.resources == {role: 1}
+            # Serve's own delays (defaults 30 s up, 600 s down) would stack on the policy's windows.
+            assert auto.get("upscale_delay_s") == 0 and auto.get("downscale_delay_s") == 0, f"{role}: Serve delays"
+            assert auto["look_back_period_s"] <= policy.upscale_window_s
         # The Serve replicas and the pods that host them have the same bounds.
-        assert (auto["min_replicas"], auto["max_replicas"]) == (policy.min_replicas, policy.max_replicas)
-        assert (group["minReplicas"], group["maxReplicas"]) == (policy.min_replicas, policy.max_replicas)
-        # The application's own config says the same (its defaults; the router's scale-from-zero reads it).
-        pool = load_serve_config(None, app["args"]["cluster"]).pools
-        assert getattr(pool, role).autoscaling == policy and getattr(pool, role).resources == {role: 1}
-        # Serve's own delays (defaults 30 s up, 600 s down) would stack on the policy's windows.
-        assert auto.get("upscale_delay_s") == 0 and auto.get("downscale_delay_s") == 0, f"{role}: Serve delays"
-        assert auto["look_back_period_s"] <= policy.upscale_window_s
+        assert (group["minReplicas"], group["maxReplicas"]) == tuple(bounds)
     # Routers need a CPU; only the head advertises any, so they run there.
     assert deployments["Router"]["ray_actor_options"]["num_cpus"] >= 1
     for role in ("prefill", "decode"):
@@ -478,17 +493,23 @@ def test_a_named_cluster_token_secret_is_used_not_made():
 
 def check_plain_mode(objs: list[dict], config: ServeConfig) -> None:
     """Every worker and the router start as written; the router finds every worker: by its stable name
-    (StatefulSet pods, --worker), or through Redis (Deployments that register there)."""
+    (StatefulSet pods, --worker), or through Redis (Deployments that register there). With several
+    models each pool's workers report their model (--served-model-name) and its pods carry its label."""
     redis = config.state_store.backend == "redis"
     pools = [o for o in objs if o["kind"] in ("StatefulSet", "Deployment")
              and o["spec"]["template"]["spec"]["containers"][0]["name"] in ("prefill", "decode")]
     expected = set()
+    replicas = {}
     for pool in pools:
         assert pool["kind"] == ("Deployment" if redis else "StatefulSet")
         (container,) = pool["spec"]["template"]["spec"]["containers"]
         args = parse_pdserve_args(container["args"])
         assert (args.command, args.role) == ("worker", container["name"])
         assert args.host == "$(POD_IP)", "a worker must advertise an address other pods can reach"
+        model = pool["spec"]["template"]["metadata"]["labels"].get("pdserve.io/model", "")
+        assert (args.served_model_name or "") == model
+        assert model in config.models if model else not config.models
+        replicas[(model, container["name"])] = pool["spec"]["replicas"]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert args.port == ports["grpc"] and args.metrics_port == ports["metrics"]
         annotations = pool["spec"]["template"]["metadata"].get("annotations", {})
@@ -498,13 +519,29 @@ def check_plain_mode(objs: list[dict], config: ServeConfig) -> None:
             name, service = pool["metadata"]["name"], pool["spec"]["serviceName"]
             expected |= {f"{name}-{i}.{service}.{NAMESPACE}.svc.cluster.local:{args.port}"
                          for i in range(pool["spec"]["replicas"])}
-    roles = {o["spec"]["template"]["spec"]["containers"][0]["name"]: o["spec"]["replicas"] for o in pools}
-    assert roles.get("prefill", 0) == config.pools.prefill.replicas
-    assert roles["decode"] == config.pools.decode.replicas
+    for m in config.served():
+        assert replicas.get((m.name, "prefill"), 0) == m.pools.prefill.replicas
+        assert replicas[(m.name, "decode")] == m.pools.decode.replicas
     (router,) = [c for o, c in containers(objs) if c["name"] == "router"]
     args = parse_pdserve_args(router["args"])
     assert args.command == "router" and args.host == "0.0.0.0"
     assert set(args.worker or []) == expected and len(args.worker or []) == len(expected)
+
+
+def test_two_models_render_a_pool_pair_each_over_the_shared_pools(helm_out, tmp_path):
+    """The models list: each model's pools laid over the chart's pools (gemma: colocated, two decode
+    workers), its engine over config.engine, its aliases in the cluster YAML the router reads."""
+    objs = objects(helm_out, "two-models")
+    (configmap,) = [o for o in objs if o["kind"] == "ConfigMap"]
+    models = {m.name: m for m in check_cluster_yaml(configmap["data"]["cluster.yaml"], tmp_path).served()}
+    small, gemma = models["smollm2-135m-instruct"], models["gemma-3-270m"]
+    assert (small.name, small.aliases, small.engine.model) == ("smollm2-135m-instruct", ["smollm2"],
+                                                               "smollm2-135m-instruct")
+    assert (gemma.engine.model, gemma.engine.max_model_len) == ("gemma-3-270m", 8192)
+    assert (gemma.pools.prefill.replicas, gemma.pools.decode.replicas) == (0, 2)
+    names = sorted(o["metadata"]["name"] for o in objs if o["kind"] == "StatefulSet")
+    assert names == ["demo-pdserve-decode-gemma-3-270m", "demo-pdserve-decode-smollm2-135m-instruct",
+                     "demo-pdserve-prefill-smollm2-135m-instruct"]
 
 
 def test_values_autoscaling_is_the_policy_config():

@@ -1,9 +1,9 @@
 """Two models behind one `pdserve serve` (issue: several models in one cluster): SmolLM2-135M-Instruct
-and Gemma 3 270M, each with its own prefill and decode worker, over real processes. Each model answers
-its own requests token-identically to its offline engine, prefilled on its own prefill worker and
-decoded on its own decode worker (a KV transfer to the other model's decode worker would be refused
-by the fingerprint check and counted as a fault: there are none); an unknown model gets a 404
-naming both; /v1/models lists both with their aliases."""
+and Gemma 3 270M, each with its own pools, over real processes. Each model answers its own requests
+token-identically to its offline engine, on both launchers; with the processes launcher each prompt
+is prefilled on its model's prefill worker and decoded on its model's decode worker (a KV transfer to
+the other model's decode worker would be refused by the fingerprint check and counted as a fault:
+there are none). An unknown model gets a 404 naming both; /v1/models lists both with their aliases."""
 
 from __future__ import annotations
 
@@ -45,14 +45,18 @@ def references():
     return out
 
 
-def test_two_models_each_answer_exactly_on_their_own_pools(references, tmp_path):
+@pytest.mark.parametrize("launcher", ["processes", "ray"])
+def test_two_models_each_answer_exactly_on_their_own_pools(references, tmp_path, launcher):
+    """processes: disaggregated, every prompt prefilled remotely (each request's KV crosses between two
+    workers, of its model). ray: colocated, one DecodeWorker-NAME replica per model."""
     config = tmp_path / "two.yaml"
     config.write_text("models:\n"
                       f"  {SMOL}: {{aliases: [smollm2]}}\n"
                       f"  {GEMMA}: {{aliases: [gemma]}}\n")
-    # Every prompt prefilled remotely: each request's KV crosses between two workers, of its model.
-    proc, url = start_serve("--config", str(config), "--prefill", "1", "--decode", "1", "--disagg-min-prompt-tokens",
-                            "0", "--disagg-min-uncached-tokens", "0", models=(), timeout=600)
+    remote = launcher == "processes"
+    proc, url = start_serve("--config", str(config), "--prefill", "1" if remote else "0", "--decode", "1",
+                            "--disagg-min-prompt-tokens", "0", "--disagg-min-uncached-tokens", "0",
+                            launcher=launcher, models=(), timeout=600)
     try:
         cards = httpx.get(url + "/v1/models", timeout=10).json()["data"]
         assert [c["id"] for c in cards] == [SMOL, "smollm2", GEMMA, "gemma"]
@@ -68,7 +72,8 @@ def test_two_models_each_answer_exactly_on_their_own_pools(references, tmp_path)
         r = httpx.post(url + "/v1/completions", json={"model": "llama", "prompt": "Hi", "max_tokens": 1}, timeout=10)
         assert r.status_code == 404 and SMOL in r.text and GEMMA in r.text, r.text
         metrics = httpx.get(url + "/metrics", timeout=10).text
-        assert _metric(metrics, "pdserve_router_prefill_decisions_total", outcome="remote") == 2 * len(PROMPTS)
+        assert _metric(metrics, "pdserve_router_prefill_decisions_total", outcome="remote") == \
+            (2 * len(PROMPTS) if remote else 0)
         assert _metric(metrics, "pdserve_router_faults_total") == 0, metrics
     finally:
         assert stop(proc, signal.SIGTERM, "pid") < 60

@@ -86,6 +86,14 @@ def test_an_unknown_model_gets_a_404_naming_the_served_ones(tokenizers):
         assert repr(name) in error["message"], error
 
 
+def test_tokenize_without_a_model_is_refused_naming_the_served_ones(tokenizers):
+    """(Generation requests must name a model anyway, as in OpenAI's API; /tokenize may omit it.)"""
+    r = _call(_client(tokenizers, [_worker(MODEL, 1, 11), _worker(GEMMA, 2, 22)]), "POST", "/tokenize",
+              {"prompt": "Hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert repr(GEMMA) in r.json()["error"]["message"]
+
+
 def test_v1_models_lists_every_model_and_alias_with_its_context_length(tokenizers):
     r = _call(_client(tokenizers, [_worker(MODEL, 1, 11), _worker(GEMMA, 2, 22)]), "GET", "/v1/models")
     cards = {c["id"]: c for c in r.json()["data"]}

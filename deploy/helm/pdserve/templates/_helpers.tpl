@@ -44,13 +44,45 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 {{- end }}
 
+{{/*
+The served models as a YAML list (use: include "pdserve.models" . | fromYamlArray): each with its name
+("" for a one-model release), the suffix of its objects' names ("" or "-NAME") and its two pools, the
+model's own pools laid over .Values.pools key by key.
+*/}}
+{{- define "pdserve.models" -}}
+{{- $out := list }}
+{{- range $m := .Values.models }}
+{{- $pools := dict }}
+{{- range $role := list "prefill" "decode" }}
+{{- $own := index ($m.pools | default dict) $role | default dict }}
+{{- $_ := set $pools $role (mergeOverwrite (deepCopy (index $.Values.pools $role)) (deepCopy $own)) }}
+{{- end }}
+{{- $out = append $out (dict "name" $m.name "suffix" (printf "-%s" $m.name) "pools" $pools) }}
+{{- end }}
+{{- if not .Values.models }}
+{{- $out = list (dict "name" "" "suffix" "" "pools" (dict "prefill" .Values.pools.prefill "decode" .Values.pools.decode)) }}
+{{- end }}
+{{- toYaml $out }}
+{{- end }}
+
+{{/* Selector labels of one model's pool: include "pdserve.poolSelectorLabels" (list . ROLE MODEL) */}}
+{{- define "pdserve.poolSelectorLabels" -}}
+{{- include "pdserve.selectorLabels" (list (index . 0) (index . 1)) }}
+{{- with (index . 2) }}
+pdserve.io/model: {{ . }}
+{{- end }}
+{{- end }}
+
 {{/* Every worker's gRPC address (StatefulSet pods have stable DNS names), one per line. */}}
 {{- define "pdserve.workerAddresses" -}}
 {{- $fullname := include "pdserve.fullname" . }}
+{{- range $m := include "pdserve.models" . | fromYamlArray }}
 {{- range $role := list "prefill" "decode" }}
-{{- $pool := index $.Values.pools $role }}
+{{- $pool := index $m.pools $role }}
+{{- $name := printf "%s-%s%s" $fullname $role $m.suffix }}
 {{- range $i, $_ := until (int $pool.replicas) }}
-{{ printf "%s-%s-%d.%s-%s.%s.svc.%s:%d" $fullname $role $i $fullname $role $.Release.Namespace $.Values.clusterDomain (int $pool.grpcPort) }}
+{{ printf "%s-%d.%s.%s.svc.%s:%d" $name $i $name $.Release.Namespace $.Values.clusterDomain (int $pool.grpcPort) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -134,6 +166,17 @@ The Secret holding the API keys file (auth.existingSecret, or the one made from 
 {{- end }}
 {{- $_ := set $config "pools" (dict "prefill" (dict "replicas" (int .Values.pools.prefill.replicas))
                                     "decode" (dict "replicas" (int .Values.pools.decode.replicas))) }}
+{{- if .Values.models }}
+{{- $models := dict }}
+{{- $merged := include "pdserve.models" . | fromYamlArray }}
+{{- range $i, $own := .Values.models }}
+{{- $m := index $merged $i }}
+{{- $_ := set $models $m.name (dict "aliases" ($own.aliases | default list) "engine" ($own.engine | default dict)
+                                    "pools" (dict "prefill" (dict "replicas" (int $m.pools.prefill.replicas))
+                                                  "decode" (dict "replicas" (int $m.pools.decode.replicas)))) }}
+{{- end }}
+{{- $_ := set $config "models" $models }}
+{{- end }}
 {{- with (include "pdserve.redisUrl" .) }}
 {{- $_ := set $config "state_store" (merge (dict "backend" "redis" "url" .) ($config.state_store | default dict)) }}
 {{- end }}
@@ -142,16 +185,19 @@ The Secret holding the API keys file (auth.existingSecret, or the one made from 
 
 {{/*
 The Ray Serve config (serveConfigV2): one application whose builder (ray.importPath) gets the cluster
-YAML as args.cluster and deploys Router, PrefillWorker and DecodeWorker. Each pool's replicas need its
+YAML as args.cluster and deploys Router, PrefillWorker and DecodeWorker (with models, a pair per model:
+PrefillWorker-NAME, DecodeWorker-NAME). Each pool's replicas need its
 custom Ray resource (prefill: 1 or decode: 1), which only that worker group's pods advertise, one each:
 one pool replica per pod. The routers need a CPU, which only the head advertises.
 */}}
 {{- define "pdserve.serveConfig" -}}
-{{- $rayPools := dict }}
 {{- $deployments := list (dict "name" "Router" "num_replicas" (int .Values.router.replicas)
                                "ray_actor_options" (dict "num_cpus" 1)) }}
+{{- $cluster := include "pdserve.clusterConfig" . | fromYaml }}
+{{- range $m := include "pdserve.models" . | fromYamlArray }}
+{{- $rayPools := dict }}
 {{- range $role := list "prefill" "decode" }}
-{{- $pool := index $.Values.pools $role }}
+{{- $pool := index $m.pools $role }}
 {{- $a := $pool.autoscaling }}
 {{- $initial := min (max (int $pool.replicas) (int $a.min_replicas)) (int $a.max_replicas) }}
 {{- $policy := dict "policy_function" $.Values.ray.policyFunction
@@ -161,15 +207,19 @@ one pool replica per pod. The routers need a CPU, which only the head advertises
                          "initial_replicas" $initial "policy" $policy
                          "upscale_delay_s" 0 "downscale_delay_s" 0
                          "look_back_period_s" 2 "metrics_interval_s" 1 }}
-{{- $deployments = append $deployments (dict "name" (printf "%sWorker" (title $role))
+{{- $deployments = append $deployments (dict "name" (printf "%sWorker%s" (title $role) $m.suffix)
                                               "autoscaling_config" $autoscaling
                                               "ray_actor_options" (dict "num_cpus" 0 "resources" (dict $role 1))) }}
 {{- /* the same pools in the application's own config: its defaults, and the router's scale-from-zero */}}
 {{- $_ := set $rayPools $role (dict "replicas" $initial "num_cpus" 0 "resources" (dict $role 1)
                                    "autoscaling" (deepCopy $a)) }}
 {{- end }}
-{{- $cluster := include "pdserve.clusterConfig" . | fromYaml }}
+{{- if $m.name }}
+{{- $_ := set (index $cluster.models $m.name) "pools" $rayPools }}
+{{- else }}
 {{- $_ := set $cluster "pools" $rayPools }}
+{{- end }}
+{{- end }}
 {{- $app := dict "name" "pdserve" "route_prefix" "/" "import_path" .Values.ray.importPath
                  "args" (dict "cluster" $cluster)
                  "deployments" $deployments }}
