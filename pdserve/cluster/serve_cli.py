@@ -47,17 +47,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
                       "kv_reservation_ttl_ms": cluster.kv_transfer.reservation_ttl_ms,
                       **_registration_options(cluster.state_store), **collect_arguments(args, WorkerConfig)}
     worker = from_dict(WorkerConfig, worker_options)
-    # A worker of one of the config's models (--served-model-name NAME, as the Helm chart starts them)
-    # runs that model's engine.
-    engine_config = cluster.models[worker.served_model_name].engine if worker.served_model_name in cluster.models \
-        else cluster.engine
-    engine = LLMEngine(engine_config)
+    engine = LLMEngine(worker_engine(cluster, worker))
     if args.role == "prefill":
         from pdserve.prefill_worker.server import PrefillServicer as servicer
     else:
         from pdserve.decode_worker.server import DecodeServicer as servicer
     asyncio.run(serve(engine, worker, servicer))
     return 0
+
+
+def worker_engine(cluster, worker) -> EngineConfig:
+    """A worker's engine: that of the config's model it serves under (--served-model-name NAME, as the
+    Helm chart starts them), else the config's engine section."""
+    if worker.served_model_name in cluster.models:
+        return cluster.models[worker.served_model_name].engine
+    return cluster.engine
 
 
 def cmd_timing_worker(args: argparse.Namespace) -> int:

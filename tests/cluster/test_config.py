@@ -158,3 +158,16 @@ def test_config_show_refuses_a_bad_file(tmp_path):
     out = pdserve("config", "show", "--config", str(path))
     assert out.returncode == 2
     assert "pools.decode.replicas" in out.stderr
+
+
+def test_a_worker_named_after_one_of_the_models_runs_that_models_engine():
+    from pdserve.cluster.serve_cli import worker_engine
+    from pdserve.worker.config import WorkerConfig
+
+    config = load_serve_config(None, {"engine": {"max_num_seqs": 8},
+                                      "models": {"small": {"engine": {"model": "smollm2-135m-instruct"}},
+                                                 "gemma-3-270m": {"engine": {"max_model_len": 8192}}}})
+    gemma = worker_engine(config, WorkerConfig(served_model_name="gemma-3-270m"))
+    assert (gemma.model, gemma.max_model_len, gemma.max_num_seqs) == ("gemma-3-270m", 8192, 8)
+    assert worker_engine(config, WorkerConfig(served_model_name="small")).model == "smollm2-135m-instruct"
+    assert worker_engine(config, WorkerConfig()) == config.engine  # a worker of no listed model: the section
