@@ -8,6 +8,7 @@ One YAML document whose sections are the components' own config dataclasses::
     pools:         prefill/decode: replicas, Ray placement (num_cpus, num_gpus, resources), autoscaling
     models:        several models, by the name clients send: each its engine and pools (over the two
                    sections above), aliases; the router routes by the request's ``model``
+    cascades:      virtual models: a cheap model's answer when it is confident, else a dearer one's
     kv_transfer:   backend and lease
     state_store:   StateStoreConfig (memory, or a shared Redis: worker registry, load, KV events)
     launcher:      ray (Ray Serve deployments; the default) or processes
@@ -40,6 +41,7 @@ from pdserve.configs import ConfigError, doc, from_dict
 from pdserve.engine.config import EngineConfig
 from pdserve.router.app import RouterConfig
 from pdserve.router.auth import AuthConfig
+from pdserve.router.cascade import CascadeConfig
 from pdserve.state.store import StateStoreConfig
 
 
@@ -176,6 +178,9 @@ class ServeConfig:
     auth: AuthConfig = doc(default_factory=AuthConfig, help="API keys and tenants (none: the API is open; the "
                                                             "router listens on 127.0.0.1 unless told otherwise)")
     pools: PoolsConfig = doc(default_factory=PoolsConfig, help="worker pools and their sizes")
+    cascades: dict[str, CascadeConfig] = doc(
+        default_factory=dict, help="virtual models by name: each runs a request on its stages (served models, the "
+                                   "cheapest first) until one's answer clears its thresholds (router/cascade.py)")
     models: dict[str, ModelDeployment] = doc(
         default_factory=dict, help="several models by the name clients send, each with its engine and pools laid "
                                    "over the sections above (empty: one model, engine and pools)")
@@ -207,6 +212,7 @@ class ServeConfig:
                         where = f"models.{m.name}.pools" if m.name else "pools"
                         raise ConfigError(f"{where}.{role}.autoscaling: needs launcher: ray (plain processes "
                                           f"have no autoscaler)")
+        self._check_cascades(names)
         if self.kv_transfer.lease_ms < 1:
             raise ConfigError(f"kv_transfer.lease_ms: must be positive, got {self.kv_transfer.lease_ms}")
         if self.kv_transfer.reservation_ttl_ms < self.kv_transfer.lease_ms:
@@ -221,6 +227,16 @@ class ServeConfig:
             raise ConfigError(f"router.cost_prefill_tokens_per_s: must be positive, got "
                               f"{self.router.cost_prefill_tokens_per_s}")
 
+
+    def _check_cascades(self, names: dict[str, str]) -> None:
+        for name, cascade in self.cascades.items():
+            if name in names:
+                raise ConfigError(f"cascades.{name}: the name is taken by a served model")
+            for stage in cascade.stages:
+                if stage not in names:
+                    served = sorted(n or self.engine.model for n in names)
+                    raise ConfigError(f"cascades.{name}.stages: {stage!r} is not a served model; served: {served} "
+                                      f"(name them under models:)")
 
     def served(self) -> list[ModelDeployment]:
         """Every model this cluster serves (one, named as its workers report, without ``models``)."""

@@ -426,7 +426,7 @@ class _RouterIngress:
         models = config.served()
         wakers = {m.name: PoolWaker(m.pools, (pools or {}).get(m.name, {})) for m in models}
         self.router = Router(config.router, pool, served_models(models), discovery, wakers=wakers,
-                             auth=Authenticator(config.auth.resolved()))
+                             auth=Authenticator(config.auth.resolved()), cascades=config.cascades)
 
     def __serve_build_asgi_app__(self):
         return self.router.create_app()

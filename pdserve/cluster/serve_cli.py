@@ -87,7 +87,8 @@ def served_models(models) -> list:
 
 
 def _run_router(router_config, models: list, addresses: list[str], store=None, sock=None,
-                on_signal=None, grace_s: float = 30.0, ready_timeout_s: float | None = None, auth=None) -> bool:
+                on_signal=None, grace_s: float = 30.0, ready_timeout_s: float | None = None, auth=None,
+                cascades: dict | None = None) -> bool:
     """Serve the router for ``models`` (ModelDeployments) until a signal. With ``ready_timeout_s``, a
     thread prints the ready line once /ready answers 200, or gives up after that long and stops the
     server: then returns False."""
@@ -107,7 +108,7 @@ def _run_router(router_config, models: list, addresses: list[str], store=None, s
         from pdserve.state.store import make_state_store
 
         discovery = StoreDiscovery(pool, make_state_store(store), router_config.poll_interval_s, store.ttl_s)
-    router = Router(router_config, pool, served_models(models), discovery, auth=authenticator)
+    router = Router(router_config, pool, served_models(models), discovery, auth=authenticator, cascades=cascades)
     server = RouterServer(uvicorn.Config(router.create_app(), host=router_config.host, port=router_config.port,
                                          log_level="warning", timeout_graceful_shutdown=grace_s), on_signal)
     log.info("router on http://%s:%d, workers: %s", router_config.host, router_config.port, ", ".join(addresses))
@@ -151,7 +152,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     on_stop_signals(_stop_now)
     try:
         _run_router(cluster.router, cluster.served(), args.worker or [], cluster.state_store, sock=sock,
-                    auth=cluster.auth)
+                    auth=cluster.auth, cascades=cluster.cascades)
     finally:
         sock.close()
     return 0
@@ -328,7 +329,7 @@ def _serve_processes(cluster, why: str | None = None) -> int:
         wait_ready(workers, timeout_s=cluster.ready_timeout_s)
         served = _run_router(cluster.router, cluster.served(), [w.address for w in workers], cluster.state_store,
                              sock=sock, on_signal=lambda: signal_workers(workers), grace_s=grace_s,
-                             ready_timeout_s=cluster.ready_timeout_s, auth=cluster.auth)
+                             ready_timeout_s=cluster.ready_timeout_s, auth=cluster.auth, cascades=cluster.cascades)
     finally:
         sock.close()
         stop_workers(workers, grace_s=grace_s + 5.0)  # signalled with the router: draining already

@@ -42,6 +42,7 @@ from pdserve.router.admission import TIER_CLASS, Admission, Refused
 from pdserve.router.asgi import body_limit, header, read_body, send_json, send_sse
 from pdserve.router.auth import OPEN, AuthConfig, Authenticator, Tenant, Unauthorized
 from pdserve.router.budgets import Budgets, RateLimited, Reservation
+from pdserve.router.cascade import CascadeConfig, Score, accepts, rounded
 from pdserve.router.cost import CostModel
 from pdserve.router.discovery import StoreDiscovery
 from pdserve.router.dispatcher import Dispatcher
@@ -187,7 +188,7 @@ class Router:
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, models: list[ServedModel],
                  discovery: StoreDiscovery | None = None, wakers: dict | None = None,
-                 auth: Authenticator | None = None):
+                 auth: Authenticator | None = None, cascades: dict[str, CascadeConfig] | None = None):
         if not models:
             raise ConfigError("a router needs at least one model to serve")
         if len(models) > 1 and (config.served_model_name or not all(m.name for m in models)):
@@ -221,6 +222,14 @@ class Router:
                                     stream_idle_timeout_s=config.stream_idle_timeout_s, index=self.prefix_index,
                                     cost_model=config.cost_model(), recent_routes_s=recent_s)
             self.models.append(_Model(served, workers, dispatcher, served.name or config.served_model_name))
+        self.cascades = dict(cascades or {})  # virtual models: router/cascade.py
+        for name, cascade in self.cascades.items():
+            if any(name in m.names for m in self.models):
+                raise ConfigError(f"cascades.{name}: the name is a served model's")
+            for stage in cascade.stages:
+                if not any(stage in m.names for m in self.models):
+                    raise ConfigError(f"cascades.{name}.stages: {stage!r} is not a served model "
+                                      f"({', '.join(n for m in self.models for n in m.names)})")
         self.admission = Admission(config.max_concurrent_requests, config.queue_size, config.queue_timeout_s)
         self._executor = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                             thread_name_prefix="router-prepare")
@@ -228,6 +237,8 @@ class Router:
     def model(self, name: str | None) -> _Model:
         """The served model a request names (by its name or an alias; none: the only one); 404 otherwise."""
         served = [n for m in self.models for n in m.names]
+        if name in self.cascades:  # (tokenize, detokenize: as its first stage does)
+            return self.model(self.cascades[name].stages[0])
         if name is None:
             if len(self.models) == 1:
                 return self.models[0]
@@ -236,6 +247,7 @@ class Router:
         for m in self.models:
             if name in m.names:
                 return m
+        served += list(self.cascades)
         raise OpenAIError(404, f"model {name!r} does not exist; served: {', '.join(map(repr, served))}",
                           type="not_found_error", param="model", code="model_not_found")
 
@@ -280,7 +292,9 @@ class Router:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [card for m in self.models for card in m.cards()]}
+            cascades = [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve", "root": None,
+                         "parent": None, "stages": c.stages} for name, c in self.cascades.items()]
+            return {"object": "list", "data": [card for m in self.models for card in m.cards()] + cascades}
 
         @app.get("/health")
         async def health():
@@ -426,6 +440,36 @@ class Router:
     async def _serve(self, kind: str, body: ChatCompletionRequest | CompletionRequest, size: int,
                      started: float, tenant: Tenant = OPEN) -> dict | AsyncIterator[bytes]:
         """The JSON response, or the SSE body to stream; errors before any output raise OpenAIError."""
+        cascade = self.cascades.get(body.model)
+        if cascade is not None:
+            return await self._cascade(kind, body, size, started, tenant, cascade)
+        return await self._serve_model(kind, body, size, started, tenant)
+
+    async def _cascade(self, kind: str, body, size: int, started: float, tenant: Tenant,
+                       cascade: CascadeConfig) -> dict | AsyncIterator[bytes]:
+        """Each stage in turn until one's answer is accepted (router/cascade.py); the last always is."""
+        stages: list[dict] = []
+        for stage in cascade.stages[:-1]:
+            held = await self._serve_model(kind, body.model_copy(update={"model": stage}), size, started, tenant,
+                                           hold=True)
+            scores = held.scores()
+            info = {"model": held.run.fmt.model, "mean_logprob": rounded(min(s.mean for s in scores)),
+                    "min_logprob": rounded(min(s.min for s in scores))}
+            if accepts(cascade, scores):
+                self.metrics.cascade_stages.labels(held.run.fmt.model, "accepted").inc()
+                return await held.release(bool(body.stream), _include_usage(body), stages, {**info, "accepted": True})
+            self.metrics.cascade_stages.labels(held.run.fmt.model, "escalated").inc()
+            own = await held.settle()
+            stages.append({**info, "prompt_tokens": own["prompt_tokens"],
+                           "completion_tokens": own["completion_tokens"], "accepted": False})
+        last = body.model_copy(update={"model": cascade.stages[-1]})
+        return await self._serve_model(kind, last, size, started, tenant, stages=stages)
+
+    async def _serve_model(self, kind: str, body: ChatCompletionRequest | CompletionRequest, size: int,
+                           started: float, tenant: Tenant = OPEN, hold: bool = False,
+                           stages: list[dict] | None = None) -> dict | AsyncIterator[bytes] | _Held:
+        """One served model's answer. ``hold`` (a cascade's stage): the whole answer, with its tokens'
+        log-probabilities, not yet sent (_Held); ``stages``: the cascade's earlier ones, for usage."""
         endpoint = f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}"
         model, tier, sequences = await self._admit(body, tenant)  # its sequences are held from here to its end
         reservation = None
@@ -434,6 +478,8 @@ class Router:
         try:
             params, prompts = await self._off_loop(size, self._prepare, kind, body, model)
             params = params.replace(priority=body.priority if body.priority is not None else TIER_CLASS[tier])
+            if hold and params.logprobs is None:  # the scorer's input (the answer shows them only if asked)
+                params = params.replace(logprobs=0)
             reservation = self._reserve(tenant, params, prompts, sequences, model.max_model_len)
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
             choices, requests = self._requests(rid, body, params, prompts, tenant.cache_salt(body.cache_salt))
@@ -448,8 +494,12 @@ class Router:
         want_logprobs = (body.logprobs if kind == "chat" else body.logprobs is not None)
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
         run = _Run(self, fmt, choices, want_logprobs, prompt_tokens, started, endpoint, params.n, reservation, tier)
+        if stages is not None:
+            run.stages, run.stage = stages, {"model": model.name, "accepted": True}
+        if hold:
+            return await _Held.take(run, first, stream)
         if body.stream:
-            body_iter = run.sse(first, stream, bool(body.stream_options and body.stream_options.include_usage))
+            body_iter = run.sse(first, stream, _include_usage(body))
             # A client gone before the first byte: the body is never iterated, its finally never
             # runs; this settles the request when the unstarted generator is collected.
             weakref.finalize(body_iter, run.abandon, stream)
@@ -582,6 +632,8 @@ class _Run:
         self.cached = [None] * len(choices)
         self.first_at: float | None = None
         self.finished = False
+        self.stages: list[dict] | None = None  # a cascade's earlier stages (usage counts them too)
+        self.stage: dict = {}  # and this one's entry in usage.stages
 
     def _record(self, index: int, msg: pb.GenerateResponse) -> tuple[Choice, str, list, int]:
         c = self.choices[index]
@@ -602,8 +654,15 @@ class _Run:
         return c, text, lps, offset
 
     def _usage(self) -> dict:
-        return usage(self.prompt_tokens, sum(len(c.token_ids) for c in self.choices),
-                     cached_prompt_tokens(self.cached, self.n))
+        own = usage(self.prompt_tokens, sum(len(c.token_ids) for c in self.choices),
+                    cached_prompt_tokens(self.cached, self.n))
+        if self.stages is None:
+            return own
+        stages = [*self.stages, {**self.stage, "prompt_tokens": own["prompt_tokens"],
+                                 "completion_tokens": own["completion_tokens"]}]
+        total = usage(sum(s["prompt_tokens"] for s in stages), sum(s["completion_tokens"] for s in stages),
+                      own["prompt_tokens_details"]["cached_tokens"])
+        return {**total, "stages": stages}
 
     def abandon(self, stream) -> None:
         if self.finished:
@@ -677,6 +736,62 @@ class _Run:
         finally:
             await stream.aclose()
             self._finish(status)
+
+
+def _include_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+class _Held:
+    """A cascade stage's whole answer, received and not yet sent: scored, then released to the client
+    (its messages replayed through its _Run) or settled (accounted for, and dropped)."""
+
+    def __init__(self, run: _Run, items: list):
+        self.run, self.items = run, items
+
+    @staticmethod
+    async def take(run: _Run, first, stream) -> _Held:
+        items = []
+        try:
+            item = first
+            while item is not None:
+                items.append(item)
+                item = await _next(stream)
+        except WorkerLostError as e:
+            run._finish(502)
+            raise OpenAIError(502, str(e), type="server_error", code="worker_lost") from e
+        except BaseException:
+            run._finish(499)
+            raise
+        finally:
+            await stream.aclose()
+        return _Held(run, items)
+
+    def scores(self) -> list[Score]:
+        """Each choice's score over its sampled tokens' log-probabilities."""
+        per_choice: list[list[float]] = [[] for _ in self.run.choices]
+        for index, msg in self.items:
+            per_choice[index] += [p.sampled.logprob for p in msg.logprobs]
+        return [Score.of(values) for values in per_choice]
+
+    async def _replay(self):
+        for item in self.items[1:]:
+            yield item
+
+    async def release(self, stream: bool, include_usage: bool, stages: list[dict], stage: dict):
+        """The answer, as the client asked for it (JSON, or the SSE body), with the cascade in usage."""
+        self.run.stages, self.run.stage = stages, stage
+        first = self.items[0] if self.items else None
+        if stream:
+            replay = self._replay()
+            body_iter = self.run.sse(first, replay, include_usage)
+            weakref.finalize(body_iter, self.run.abandon, replay)
+            return body_iter
+        return await self.run.collect(first, self._replay())
+
+    async def settle(self) -> dict:
+        """Account for the answer (tokens, metrics, the tenant's budget) without sending it; its usage."""
+        return (await self.run.collect(self.items[0] if self.items else None, self._replay()))["usage"]
 
 
 async def _next(stream):

@@ -171,3 +171,18 @@ def test_a_worker_named_after_one_of_the_models_runs_that_models_engine():
     assert (gemma.model, gemma.max_model_len, gemma.max_num_seqs) == ("gemma-3-270m", 8192, 8)
     assert worker_engine(config, WorkerConfig(served_model_name="small")).model == "smollm2-135m-instruct"
     assert worker_engine(config, WorkerConfig()) == config.engine  # a worker of no listed model: the section
+
+
+def test_cascades_name_served_models_and_no_served_name(tmp_path):
+    models = "models: {small-int4: {engine: {model: smollm2-135m-instruct, quantization: int4}}, " \
+             "small: {engine: {model: smollm2-135m-instruct}}}\n"
+    path = tmp_path / "c.yaml"
+    path.write_text(models + "cascades: {auto: {stages: [small-int4, small], accept_mean_logprob: -0.8}}\n")
+    (cascade,) = load_serve_config(path).cascades.values()
+    assert (cascade.stages, cascade.accept_mean_logprob) == (["small-int4", "small"], -0.8)
+    for text, message in (("{auto: {stages: [small-int4, big], accept_mean_logprob: -1}}", "'big' is not a served"),
+                          ("{small: {stages: [small-int4, small], accept_mean_logprob: -1}}", "taken by a served"),
+                          ("{auto: {stages: [small-int4, small]}}", "set at least one")):
+        path.write_text(models + f"cascades: {text}\n")
+        with pytest.raises(ConfigError, match=message):
+            load_serve_config(path)
