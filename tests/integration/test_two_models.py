@@ -3,7 +3,9 @@ and Gemma 3 270M, each with its own pools, over real processes. Each model answe
 token-identically to its offline engine, on both launchers; with the processes launcher each prompt
 is prefilled on its model's prefill worker and decoded on its model's decode worker (a KV transfer to
 the other model's decode worker would be refused by the fingerprint check and counted as a fault:
-there are none). An unknown model gets a 404 naming both; /v1/models lists both with their aliases."""
+there are none). Two cascades over them, whose thresholds force acceptance and escalation, answer
+with the right model's exact text. An unknown model gets a 404 naming both; /v1/models lists both
+with their aliases."""
 
 from __future__ import annotations
 
@@ -50,16 +52,21 @@ def test_two_models_each_answer_exactly_on_their_own_pools(references, tmp_path,
     """processes: disaggregated, every prompt prefilled remotely (each request's KV crosses between two
     workers, of its model). ray: colocated, one DecodeWorker-NAME replica per model."""
     config = tmp_path / "two.yaml"
+    # Two cascades over them whose thresholds force each path: "always" takes SmolLM2's answer, "never"
+    # (every token certain, mean log-probability 0) escalates every request to Gemma.
     config.write_text("models:\n"
                       f"  {SMOL}: {{aliases: [smollm2]}}\n"
-                      f"  {GEMMA}: {{aliases: [gemma]}}\n")
+                      f"  {GEMMA}: {{aliases: [gemma]}}\n"
+                      "cascades:\n"
+                      f"  always: {{stages: [{SMOL}, {GEMMA}], accept_mean_logprob: -1000.0}}\n"
+                      f"  never: {{stages: [{SMOL}, {GEMMA}], accept_mean_logprob: 0.0}}\n")
     remote = launcher == "processes"
     proc, url = start_serve("--config", str(config), "--prefill", "1" if remote else "0", "--decode", "1",
                             "--disagg-min-prompt-tokens", "0", "--disagg-min-uncached-tokens", "0",
                             launcher=launcher, models=(), timeout=600)
     try:
         cards = httpx.get(url + "/v1/models", timeout=10).json()["data"]
-        assert [c["id"] for c in cards] == [SMOL, "smollm2", GEMMA, "gemma"]
+        assert [c["id"] for c in cards] == [SMOL, "smollm2", GEMMA, "gemma", "always", "never"]
         for model, name in ((SMOL, SMOL), (GEMMA, "gemma")):
             for ids, want in references[model]:
                 r = httpx.post(url + "/v1/completions", json={
@@ -69,11 +76,19 @@ def test_two_models_each_answer_exactly_on_their_own_pools(references, tmp_path,
                 body = r.json()
                 assert body["model"] == model and body["usage"]["completion_tokens"] == MAX_TOKENS
                 assert body["choices"][0]["text"] == want, (model, ids)
+        for cascade, model, stages in (("always", SMOL, [SMOL]), ("never", GEMMA, [SMOL, GEMMA])):
+            ids, want = references[model][0]
+            r = httpx.post(url + "/v1/completions", json={
+                "model": cascade, "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
+                timeout=120)
+            body = r.json()
+            assert (body["model"], body["choices"][0]["text"]) == (model, want), body
+            assert [s["model"] for s in body["usage"]["stages"]] == stages
         r = httpx.post(url + "/v1/completions", json={"model": "llama", "prompt": "Hi", "max_tokens": 1}, timeout=10)
         assert r.status_code == 404 and SMOL in r.text and GEMMA in r.text, r.text
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert _metric(metrics, "pdserve_router_prefill_decisions_total", outcome="remote") == \
-            (2 * len(PROMPTS) if remote else 0)
+            ((2 * len(PROMPTS) + 3) if remote else 0)  # 3: the cascades' stages
         assert _metric(metrics, "pdserve_router_faults_total") == 0, metrics
     finally:
         assert stop(proc, signal.SIGTERM, "pid") < 60
