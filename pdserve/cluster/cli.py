@@ -6,6 +6,7 @@
     pdserve router --worker ADDR ...     the router alone, in front of running workers
     pdserve worker decode --port P       one decode worker alone
     pdserve bench --base-url URL         load-test any OpenAI-compatible server
+    pdserve cascade calibrate ...        a cascade's threshold from a prompt set
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import sys
 
 from pdserve.bench import cli as bench_cli
-from pdserve.cluster import offline_cli, serve_cli
+from pdserve.cluster import cascade_cli, offline_cli, serve_cli
 from pdserve.configs import ConfigError
 
 
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.add_commands(sub)
     offline_cli.add_commands(sub)
     bench_cli.add_commands(sub)
+    cascade_cli.add_commands(sub)
     return parser
 
 
