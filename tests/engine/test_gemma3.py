@@ -104,3 +104,24 @@ def test_chunked_and_decoded_equals_recomputed_from_scratch_across_the_window():
         for step in range(24):
             tokens += greedy(scratch, [prompt + tokens], 1, f"s{i}-{step}-")[0]
         assert got[i] == tokens, i
+
+
+@pytest.mark.slow
+def test_gguf_native_keeps_the_files_blocks_and_matches_transformers(gemma):
+    """--quantization gguf: the file's Q5_0 / Q4_K / Q6_K / Q8_0 blocks kept as they are (q/k block rows
+    reordered to ours) dequantise to exactly the float load's weights, and give transformers' tokens."""
+    native = load_model("gemma-3-270m", progress=False, quantization="gguf")
+    linears = {n: m for n, m in native.model.named_modules() if n.endswith("_proj")}
+    assert linears and all(type(m).__name__ == "GGUFLinear" for m in linears.values())
+    assert {t.name for m in linears.values() for t in m.types} >= {"Q5_0", "Q4_K", "Q6_K"}
+    for name, module in linears.items():
+        assert module.dequantize().equal(gemma.model.get_submodule(name).weight.float()), name
+    # the projections' bytes (the 262k x 640 embedding, the tied head, stays float32 either way)
+    native_bytes = sum(m.weight_bytes() for m in linears.values())
+    float_bytes = sum(gemma.model.get_submodule(n).weight.numel() * 4 for n in linears)
+    assert native_bytes < 0.2 * float_bytes, (native_bytes, float_bytes)
+    engine = LLMEngine(EngineConfig(model="gemma-3-270m", num_kv_blocks=128, load_progress=False), loaded=native)
+    cases = [c for c in REFERENCE["cases"] if not c.get("long")]
+    got = greedy(engine, [c["prompt"] for c in cases], REFERENCE["new_tokens"])
+    for case, tokens in zip(cases, got):
+        assert tokens == case["tokens"], case["name"]

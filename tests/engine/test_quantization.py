@@ -148,6 +148,28 @@ def test_gguf_blocks_dequantise_as_the_gguf_library_does():
         np.testing.assert_allclose(got.numpy(), dequantize(blocks, qtype), rtol=1e-6, atol=1e-6)
 
 
+def test_gguf_k_quant_and_q5_0_blocks_dequantise_bit_for_bit_as_the_gguf_library_does():
+    """Gemma 3 270M's Q4_K_M file mixes Q5_0, Q4_K, Q6_K and Q8_0: random blocks (their f16 scales
+    made finite) give exactly what gguf.quants gives, float32 bit for bit."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    from pdserve.engine.quant.gguf_native import dequantize_blocks
+
+    rng = np.random.default_rng(1)
+    scale_bytes = {Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}  # where each block's f16 scales sit
+    for qtype, offsets in scale_bytes.items():
+        per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+        rows, cols = 6, 2 * 256
+        blocks = rng.integers(0, 256, (rows * cols // per_block, block_bytes), dtype=np.uint8)
+        for at in offsets:
+            blocks[:, at:at + 2] = rng.uniform(-0.1, 0.1, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+        want = dequantize(blocks, qtype).reshape(rows, cols)
+        got = dequantize_blocks(qtype, torch.from_numpy(blocks.reshape(rows, -1).copy()), cols)
+        assert np.array_equal(got.numpy(), want), qtype.name
+
+
 # ---- whole models -------------------------------------------------------------------------
 
 

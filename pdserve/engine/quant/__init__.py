@@ -65,11 +65,10 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
     """
     if method == "none":
         return
-    if method in ("gguf", "awq") and model.config.architecture != "llama":
-        # gguf_native maps Llama files' tensors (q/k rows already in our RoPE order); AWQ folds its
-        # scales into Llama's norm layout. Neither knows Gemma 3's yet.
-        raise ConfigError(f"EngineConfig.quantization: {method} supports Llama models only, and this is a "
-                          f"{model.config.architecture} model; use int8, int4 or bf16")
+    if method == "awq" and model.config.architecture != "llama":
+        # AWQ folds its scales into Llama's norm layout; Gemma 3's (four norms, (1 + w)) differs.
+        raise ConfigError(f"EngineConfig.quantization: awq supports Llama models only, and this is a "
+                          f"{model.config.architecture} model; use int8, int4, gguf or bf16")
     if method == "bf16":
         for i in range(len(model.layers)):
             for suffix in LAYER_LINEARS:
@@ -84,7 +83,7 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
         from pdserve.engine.quant.gguf_native import gguf_linears
 
         device = model.embed_tokens.weight.device
-        for name, linear in gguf_linears(gguf_path, len(model.layers)).items():
+        for name, linear in gguf_linears(gguf_path, model.config).items():
             _swap(model, name, linear.to(device))
         return
 

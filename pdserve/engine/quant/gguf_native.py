@@ -2,14 +2,25 @@
 
 A fused projection (qkv = attn_q | attn_k | attn_v, gate_up = ffn_gate | ffn_up) is a list of
 row segments, each with its own GGML type: files mix types (Q4_K_M keeps attn_v and ffn_down
-in Q6_K). Q8_0, Q4_0 and Q4_1 (the default model's) dequantise with torch ops; other types go
-through ``gguf.quants`` (numpy, slower). Embeddings, norms and the output head stay float.
+in Q6_K). Q8_0, Q4_0, Q4_1 (the default model's), Q5_0, Q4_K and Q6_K (Gemma 3 270M's Q4_K_M)
+dequantise with torch ops, each the same float32 arithmetic as ``gguf.quants`` (so the weights are
+bit for bit those the float path loads); other types go through ``gguf.quants`` (numpy, slower).
+Embeddings, norms and the output head stay float. Gemma 3 files keep q/k rows in rotate-half
+order: those segments' rows are permuted to ours (a row permutation of whole block rows).
 
 Block layouts (32 weights a block, all little-endian)::
 
     Q8_0: d (f16) | 32 x int8                        w = d * q
     Q4_0: d (f16) | 16 bytes: w[i] low nibble, w[i+16] high      w = d * (q - 8)
     Q4_1: d (f16) | m (f16) | 16 bytes, as Q4_0                   w = d * q + m
+    Q5_0: d (f16) | 4 bytes: bit i the 5th bit of w[i] | 16 bytes, as Q4_0    w = d * (q - 16)
+
+and 256 weights a super-block in 8 (Q4_K) or 16 (Q6_K) sub-blocks::
+
+    Q4_K: d, dmin (f16) | 12 bytes: 8 x 6-bit scale and min | 128 bytes of nibbles
+                                                   w = d * sc[j] * q - dmin * m[j]
+    Q6_K: 128 bytes low nibbles | 64 bytes high 2 bits | 16 x int8 scale | d (f16)
+                                                   w = d * sc[j] * (q - 32)
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ from pdserve.engine.gguf_file import GGUFFile
 from pdserve.engine.quant.formats import QuantLinear
 
 Q = GGMLQuantizationType
-TORCH_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1)
+TORCH_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K)
 
 
 @dataclass
@@ -47,7 +58,10 @@ def dequantize_blocks(ggml_type: GGMLQuantizationType, blocks: torch.Tensor, col
     if ggml_type not in TORCH_TYPES:
         out = np_dequantize(blocks.numpy(), ggml_type)
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(rows, cols)
-    _, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    block_weights, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    if ggml_type in (Q.Q4_K, Q.Q6_K):
+        super_blocks = blocks.reshape(-1, block_bytes)
+        return (_q4_k(super_blocks) if ggml_type == Q.Q4_K else _q6_k(super_blocks)).reshape(rows, cols)
     b = blocks.reshape(rows, cols // 32, block_bytes)
     d = b[..., :2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
     if ggml_type == Q.Q8_0:
@@ -56,8 +70,44 @@ def dequantize_blocks(ggml_type: GGMLQuantizationType, blocks: torch.Tensor, col
     q = torch.cat([qs & 0xF, qs >> 4], dim=-1).float()  # [rows, nb, 32]: low nibbles first
     if ggml_type == Q.Q4_0:
         return ((q - 8.0) * d).reshape(rows, cols)
+    if ggml_type == Q.Q5_0:
+        bits = b[..., 2:6].contiguous().view(torch.int32)  # [rows, nb, 1]: bit i belongs to weight i
+        high = (bits >> torch.arange(32, dtype=torch.int32)) & 1
+        return (d * (q + (high << 4).float() - 16.0)).reshape(rows, cols)
     m = b[..., 2:4].contiguous().view(torch.float16).float()
     return (q * d + m).reshape(rows, cols)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).float()
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[n, 144]`` Q4_K super-blocks -> float32 ``[n, 256]`` (gguf.quants' order of operations)."""
+    n = b.shape[0]
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    lo, mid, hi = b[:, 4:16].reshape(n, 3, 4).unbind(1)  # 6-bit scales and mins, their high bits spread
+    sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], dim=-1)
+    scale = (d * sc.float()).reshape(n, 8, 1)
+    offset = (dmin * mn.float()).reshape(n, 8, 1)
+    qs = b[:, 16:].reshape(n, 4, 1, 32)  # each 32 bytes: low nibbles one sub-block, high the next
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32).float()
+    return (scale * q - offset).reshape(n, 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[n, 210]`` Q6_K super-blocks -> float32 ``[n, 256]`` (gguf.quants' order of operations)."""
+    n = b.shape[0]
+    ql, qh = b[:, :128], b[:, 128:192]
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()
+    scale = (_f16(b[:, 208:210]) * scales).reshape(n, 16, 1)
+    ql = ql.reshape(n, 2, 1, 64)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(n, 8, 32)
+    qh = qh.reshape(n, 2, 1, 32)
+    high = torch.cat([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, qh >> 6], dim=2).reshape(n, 8, 32)
+    q = ((low | (high << 4)).to(torch.int16) - 32).reshape(n, 16, 16).float()
+    return (scale * q).reshape(n, 256)
 
 
 class GGUFLinear(QuantLinear):
@@ -95,14 +145,21 @@ FUSED = {
 }
 
 
-def gguf_linears(path: Path, num_layers: int) -> dict[str, GGUFLinear]:
-    """Our layer Linear names (``layers.3.mlp.down_proj``) -> their GGUF-native replacements."""
+def gguf_linears(path: Path, config) -> dict[str, GGUFLinear]:
+    """Our layer Linear names (``layers.3.mlp.down_proj``) -> their GGUF-native replacements, for a
+    model of ``config`` (a ModelConfig: Llama, or Gemma 3 whose q/k rows are reordered)."""
+    from pdserve.engine.loader import interleave_rope_rows
+
     gguf = GGUFFile(path)
     blob = np.memmap(path, mode="r", dtype=np.uint8)
+    heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads} if config.architecture == "gemma3" else {}
     out = {}
-    for i in range(num_layers):
+    for i in range(config.num_layers):
         for ours, theirs in FUSED.items():
             segments = [read_segment(gguf, blob, f"blk.{i}.{name}.weight") for name in theirs]
+            for segment, name in zip(segments, theirs):
+                if name in heads:
+                    segment.blocks = interleave_rope_rows(segment.blocks, heads[name]).contiguous()
             in_features = gguf.tensors[f"blk.{i}.{theirs[0]}.weight"].shape[-1]
             out[f"layers.{i}.{ours}"] = GGUFLinear(segments, in_features)
     return out
