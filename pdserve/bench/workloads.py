@@ -88,17 +88,26 @@ def chat_workload(conversations: int, turns: int, user_words: int, output_len: i
     return [WorkItem(turns=[utterance() for _ in range(turns)], output_len=output_len) for _ in range(conversations)]
 
 
-def jsonl_workload(path: str, n: int | None, seed: int) -> list[WorkItem]:
-    items = []
+def prompt_objects(path: str | Path, flag: str) -> list[tuple[int, dict]]:
+    """(line number, object) of a JSONL prompt file: each line an object with ``prompt`` (text) or
+    ``messages`` (a chat); errors name ``flag``, the file and the line."""
+    out = []
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--dataset-path {path}, line {lineno}: not JSON ({e.msg})") from None
+            raise ValueError(f"{flag} {path}, line {lineno}: not JSON ({e.msg})") from None
         if not isinstance(obj, dict) or not ("prompt" in obj or "messages" in obj):
-            raise ValueError(f"--dataset-path {path}, line {lineno}: expected an object with 'prompt' or 'messages'")
+            raise ValueError(f"{flag} {path}, line {lineno}: expected an object with 'prompt' or 'messages'")
+        out.append((lineno, obj))
+    return out
+
+
+def jsonl_workload(path: str, n: int | None, seed: int) -> list[WorkItem]:
+    items = []
+    for lineno, obj in prompt_objects(path, "--dataset-path"):
         out = obj.get("output_len")
         if out is not None and (not isinstance(out, int) or out < 1):
             raise ValueError(f"--dataset-path {path}, line {lineno}: output_len must be a positive integer")

@@ -56,20 +56,11 @@ class Row:
 
 def read_prompts(path: str | Path) -> list[dict]:
     """A JSONL file: one object per line with ``messages`` (a chat, OpenAI's shape) or ``prompt`` (text)."""
-    prompts = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not JSON: {e}") from e
-            if not isinstance(item, dict) or not ({"messages", "prompt"} & set(item)):
-                raise ValueError(f"{path}:{number}: expected an object with messages or prompt")
-            prompts.append(item)
+    from pdserve.bench.workloads import prompt_objects
+
+    prompts = [obj for _, obj in prompt_objects(path, "--prompts")]
     if not prompts:
-        raise ValueError(f"{path}: no prompts")
+        raise ValueError(f"--prompts {path}: no prompts")
     return prompts
 
 

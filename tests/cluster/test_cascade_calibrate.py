@@ -62,7 +62,7 @@ def test_the_shipped_prompt_set_has_over_a_hundred_distinct_chats():
 def test_a_bad_prompt_file_names_the_line(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n{"text": "b"}\n')
-    with pytest.raises(ValueError, match="p.jsonl:2: expected an object with messages or prompt"):
+    with pytest.raises(ValueError, match="p.jsonl, line 2: expected an object with 'prompt' or 'messages'"):
         read_prompts(path)
 
 
