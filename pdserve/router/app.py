@@ -450,8 +450,17 @@ class Router:
         """Each stage in turn until one's answer is accepted (router/cascade.py); the last always is."""
         stages: list[dict] = []
         for stage in cascade.stages[:-1]:
-            held = await self._serve_model(kind, body.model_copy(update={"model": stage}), size, started, tenant,
-                                           hold=True)
+            try:
+                held = await self._serve_model(kind, body.model_copy(update={"model": stage}), size, started,
+                                               tenant, hold=True)
+            except OpenAIError as e:
+                if e.status != 503:
+                    raise
+                # no worker of this stage (its pool down or at zero): the next stage answers
+                self.metrics.cascade_stages.labels(self.model(stage).name, "unavailable").inc()
+                stages.append({"model": self.model(stage).name, "prompt_tokens": 0, "completion_tokens": 0,
+                               "accepted": False, "error": e.code})
+                continue
             scores = held.scores()
             info = {"model": held.run.fmt.model, "mean_logprob": rounded(min(s.mean for s in scores)),
                     "min_logprob": rounded(min(s.min for s in scores))}

@@ -55,7 +55,8 @@ class RouterMetrics:
                                          "local_no_prefill_worker / local_no_room / local_prompt_logprobs",
                                          ["outcome"], registry=r)
         self.cascade_stages = Counter("pdserve_router_cascade_stages", "Cascade stages run, by model and outcome: "
-                                      "accepted (its answer was sent) or escalated (the next stage ran)",
+                                      "accepted (its answer was sent), escalated (the next stage ran) or "
+                                      "unavailable (no worker: the next stage ran)",
                                       ["model", "outcome"], registry=r)
         self.cached_tokens = Counter("pdserve_router_cached_tokens", "Prompt tokens found in the prefix cache "
                                      "where each request was prefilled: predicted by the prefix index when routed, "

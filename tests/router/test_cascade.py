@@ -131,6 +131,21 @@ def test_streaming_sends_the_accepted_answer_named_with_every_stage_in_usage(clu
     assert [s["model"] for s in stages] == ([CHEAP] if model == CHEAP else [CHEAP, DEAR])
 
 
+def test_a_stage_without_workers_is_passed_over(tokenizer):
+    dear = _worker(DEAR, 2, [8, 9], -0.1)
+    pool = WorkerPool([])
+    pool.workers = [dear]  # the cheap pool has no worker at all
+    models = [ServedModel(MODEL, tokenizer, CHEAP), ServedModel(MODEL, tokenizer, DEAR)]
+    router = Router(RouterConfig(startup_wait_s=0.0), pool, models,
+                    cascades={"auto": CascadeConfig([CHEAP, DEAR], accept_mean_logprob=-5.0)})
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=router.create_app()), base_url="http://router")
+    body = _post(client, BODY).json()
+    assert body["model"] == DEAR
+    first, second = body["usage"]["stages"]
+    assert (first["model"], first["accepted"], first["error"]) == (CHEAP, False, "no_worker_available")
+    assert body["usage"]["completion_tokens"] == 2
+
+
 def test_logprobs_asked_for_come_with_an_accepted_cheap_answer(cluster):
     client, _, _ = cluster
     body = _post(client(accept_mean_logprob=-1.0), {**BODY, "logprobs": 0}).json()
