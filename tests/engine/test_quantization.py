@@ -75,6 +75,27 @@ def test_int4_linear_close_to_float(weight_and_input, group):
     assert layer.weight_bytes() < w.numel() * 4 / 6
 
 
+def test_int4_many_rows_take_the_bf16_weight_from_the_kernels_layout():
+    """A prefill-sized input (MANY_ROWS rows or more) multiplies by the weight unpacked from the CPU
+    kernel's packed layout to bfloat16: the same weight as the kernel's, to bfloat16 rounding."""
+    from pdserve.engine.quant.formats import CPU_PACK_ROWS, unpack_cpu_int4
+
+    w = torch.randn(192, 256, generator=torch.Generator().manual_seed(5)) * 0.05
+    layer = Int4Linear(w, 64)
+    if not layer.use_kernel:
+        pytest.skip("no CPU int4 kernel in this torch build")
+    q, _, _ = quantize_int4(w, 64, layer.act_dtype)
+    assert layer.out_features % CPU_PACK_ROWS == 0
+    assert torch.equal(unpack_cpu_int4(layer.qweight, 192, 256), q)  # the layout, as the layer assumes it
+    if not layer.dequant_many_rows:
+        pytest.skip("no bfloat16 matmul on this processor: every row count takes the kernel")
+    assert rel_err(layer._bf16_weight().float(), layer.dequantize()) < 1e-2
+    x = torch.randn(layer.MANY_ROWS + 3, 256, generator=torch.Generator().manual_seed(6))
+    assert rel_err(layer(x), F.linear(x, layer.dequantize())) < 0.01
+    few = x[: layer.MANY_ROWS - 1]
+    assert rel_err(layer(few), F.linear(few, layer.dequantize())) < 0.01  # the kernel's path
+
+
 def test_int4_math_and_group_fallback():
     w = torch.randn(64, 128)
     q, scale, zero = quantize_int4(w, 32)
