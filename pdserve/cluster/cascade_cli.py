@@ -11,7 +11,8 @@ table gives:
     cheap agree      among the accepted, the share equal to the last stage's answer
     compute saved    1 - (first stage on every prompt + last stage on the escalated ones) / (last
                      stage on every prompt), each prompt's cost its stage's measured time for the
-                     whole set shared out by the prompt's tokens (prompt + answer)
+                     whole set shared out by the prompt's tokens (prompt + answer); the set runs
+                     --batch prompts at a time (all at once by default)
 
 and suggests the lowest threshold whose agreement reaches ``--target-agreement``, as the line to
 put under ``cascades.NAME`` in the YAML. Middle stages of a longer cascade are not calibrated here.
@@ -64,8 +65,9 @@ def read_prompts(path: str | Path) -> list[dict]:
     return prompts
 
 
-def run_stage(name: str, engine_config, prompts: list[dict], max_tokens: int) -> StageRun:
-    """The stage's greedy answers to every prompt (one batch, as a server runs them), timed."""
+def run_stage(name: str, engine_config, prompts: list[dict], max_tokens: int, batch: int | None = None) -> StageRun:
+    """The stage's greedy answers to every prompt, timed: in batches of ``batch`` prompts (None: all
+    at once, as a busy server runs them; 1: one at a time, as an idle one does)."""
     import dataclasses
 
     from pdserve.engine.llm import LLM
@@ -75,8 +77,11 @@ def run_stage(name: str, engine_config, prompts: list[dict], max_tokens: int) ->
     ids = [llm.tokenizer.encode_chat(p["messages"]) if "messages" in p else llm.tokenizer.encode(p["prompt"])
            for p in prompts]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0)
+    batch = batch or len(ids)
     started = time.perf_counter()
-    results = llm.generate(ids, params, use_tqdm=True)
+    results = []
+    for i in range(0, len(ids), batch):
+        results += llm.generate(ids[i:i + batch], params, use_tqdm=batch > 1)
     seconds = time.perf_counter() - started
     answers = [r.outputs[0].token_ids for r in results]
     logprobs = [[lp.sampled.logprob for lp in r.outputs[0].logprobs or []] for r in results]
@@ -167,9 +172,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)[:args.limit]
     first, last = by_name[cascade.stages[0]], by_name[cascade.stages[-1]]
     print(f"calibrating {args.cascade}: {first.name} against {last.name} on {len(prompts)} prompts from "
-          f"{args.prompts}, up to {args.max_tokens} tokens each", file=sys.stderr)
-    cheap = run_stage(first.name, first.engine, prompts, args.max_tokens)
-    dear = run_stage(last.name, last.engine, prompts, args.max_tokens)
+          f"{args.prompts}, up to {args.max_tokens} tokens each, {args.batch or len(prompts)} at a time",
+          file=sys.stderr)
+    cheap = run_stage(first.name, first.engine, prompts, args.max_tokens, args.batch)
+    dear = run_stage(last.name, last.engine, prompts, args.max_tokens, args.batch)
     rows = table(cheap, dear, candidate_thresholds(cheap), args.agree_tokens)
     print(describe_cpu())
     same = sum(agree(a, b, args.agree_tokens) for a, b in zip(cheap.answers, dear.answers))
@@ -187,7 +193,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "cascade": args.cascade, "stages": [cheap.model, dear.model], "prompts": len(prompts),
-            "max_tokens": args.max_tokens, "agree_tokens": args.agree_tokens,
+            "max_tokens": args.max_tokens, "agree_tokens": args.agree_tokens, "batch": args.batch,
             "seconds": {cheap.model: cheap.seconds, dear.model: dear.seconds},
             "rows": [r.__dict__ for r in rows], "suggested": best.threshold if best else None}, indent=2))
     if args.plot:
@@ -211,6 +217,9 @@ def add_commands(sub) -> None:
     calibrate.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N prompts")
     calibrate.add_argument("--max-tokens", type=int, default=64,
                            help="most tokens of each answer (default: 64)")
+    calibrate.add_argument("--batch", type=int, default=None, metavar="N",
+                           help="run the prompts N at a time (compute saved depends on it: 1 is an idle "
+                                "server, decode bound by reading the weights; default: all at once, a busy one)")
     calibrate.add_argument("--agree-tokens", type=int, default=0, metavar="N",
                            help="two answers agree when their first N tokens are equal (default: 0, the whole "
                                 "answer)")

@@ -75,10 +75,10 @@ def test_calibrate_runs_end_to_end_on_random_models(tmp_path):
                       "cascades: {auto: {stages: [a, b], accept_mean_logprob: -1.0}}\n")
     out = tmp_path / "table.json"
     result = pdserve("cascade", "calibrate", "--config", str(config), "--cascade", "auto", "--limit", "8",
-                     "--max-tokens", "4", "--json", str(out))
+                     "--max-tokens", "4", "--batch", "3", "--json", str(out))
     assert result.returncode == 0, result.stderr
     assert "answered cheap" in result.stdout and "flags:" in result.stdout
     data = json.loads(out.read_text())
-    assert data["prompts"] == 8 and data["rows"] and data["stages"] == ["a", "b"]
+    assert data["prompts"] == 8 and data["rows"] and data["stages"] == ["a", "b"] and data["batch"] == 3
     missing = pdserve("cascade", "calibrate", "--config", str(config), "--cascade", "nope")
     assert missing.returncode == 2 and "'nope' is not in" in missing.stderr
