@@ -183,8 +183,9 @@ class _Model:
 
 
 class Router:
-    """``models``: what it serves, the first the default for a request without ``model``; their
-    workers all in ``pool`` (router/models.py); ``wakers``: scale from zero, per model name."""
+    """``models``: what it serves (several must each be named), their workers all in ``pool``
+    (router/models.py); ``wakers``: scale from zero, per model name; ``cascades``: virtual models
+    over them (router/cascade.py)."""
 
     def __init__(self, config: RouterConfig, pool: WorkerPool, models: list[ServedModel],
                  discovery: StoreDiscovery | None = None, wakers: dict | None = None,
