@@ -8,7 +8,9 @@ The cluster: `--decode` decode workers of the tiny random model (colocated; `--m
 so that its capacity is a few requests per second and the machine is not the limit), registered in
 a Redis that the router reads, workers scheduling by priority; a router with three tenants' keys,
 `gold` (may use priority), `silver` (default), `bronze` (flex), a queue in front of its sequence cap,
-and per-class SLOs. First the capacity is measured (closed loop, every client back to back); then
+and per-class SLOs; the workers run at `--worker-nice` 10 (the router and the client would otherwise
+wait for a core behind them: on a machine of its own a router has cores to itself). First the
+capacity is measured (closed loop, every client back to back); then
 Poisson arrivals at `--overload` x that rate for `--duration-s`: `--mix` says which share of the
 requests each tenant sends, each in its own class. At 30% of the run one decode worker is SIGKILLed
 and a new one started; at 60% Redis is stopped and started again.
@@ -16,8 +18,9 @@ and a new one started; at 60% Redis is stopped and started again.
 Reported per class: offered, admitted (200), shed (429), errors (another status with OpenAI's error
 body), lost (no answer at all, or a stream cut without an error: must be 0), attainment of the class's
 SLO among the admitted ones (TTFT and TPOT measured by the client), and p90 TTFT. Memory: the
-router's and each surviving worker's RSS sampled every second; growth = mean RSS of the last quarter
-over the mean of the second quarter (target <= 5%). Leaked blocks: every worker's KV usage and running
+router's, each surviving worker's and the replacement's RSS sampled every second (the replacement's
+from its start); growth = mean RSS of the last quarter over the mean of the second quarter of its
+samples (target <= 5%). Leaked blocks: every worker's KV usage and running
 requests after the run (0). Prints the table with the CPU's flags; writes soak.json and soak.png.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import statistics
@@ -68,7 +72,8 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         start = time.monotonic()
         while not self.stop.wait(1.0):
-            self.samples.append((time.monotonic() - start, {name: rss_kb(pid) for name, pid in self.pids.items()}))
+            pids = dict(self.pids)  # a worker may join (the replacement) while this runs
+            self.samples.append((time.monotonic() - start, {name: rss_kb(pid) for name, pid in pids.items()}))
 
     def growth(self, name: str) -> float | None:
         values = [s[name] for _, s in self.samples if s.get(name)]
@@ -207,6 +212,11 @@ def main() -> None:
     p.add_argument("--capacity-s", type=float, default=20.0, help="seconds of the capacity measurement (default 20)")
     p.add_argument("--seed", type=int, default=0, help="arrivals and prompts (default 0)")
     p.add_argument("--result-dir", default="docs/bench/soak", help="where soak.json and soak.png go")
+    p.add_argument("--worker-nice", type=int, default=10,
+                   help="the workers' niceness (default 10). On one machine the router and this client share "
+                        "the cores with the workers, which starve them at 2x overload; a deployment gives the "
+                        "router cores of its own, and a lower priority for the workers stands in for that. 0: "
+                        "all equal (priority's TTFT then includes the router's wait for a core)")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="pdserve-soak-"))
@@ -221,6 +231,13 @@ def main() -> None:
               "--redis", redis.url(), "--heartbeat-s", "0.2", "--num-kv-blocks", "256",
               "--max-num-seqs", str(args.max_num_seqs), "--scheduling-policy", "priority"]
     workers = [start_worker("decode", common) for _ in range(args.decode)]
+
+    def nice(worker) -> None:
+        if args.worker_nice:
+            os.setpriority(os.PRIO_PROCESS, worker.process.pid, args.worker_nice)
+
+    for w in workers:
+        nice(w)
     router = None
     try:
         wait_ready(workers, timeout_s=300)
@@ -242,8 +259,10 @@ def main() -> None:
             victim.process.send_signal(signal.SIGKILL)
             events.append(("decode worker killed", time.monotonic()))
             workers.append(start_worker("decode", common))
+            nice(workers[-1])
             wait_ready(workers[-1:], timeout_s=300)
             events.append(("replacement ready", time.monotonic()))
+            sampler.pids["replacement"] = workers[-1].process.pid
 
         def restart_redis(_at):
             redis.stop()
