@@ -657,10 +657,10 @@ class _Run:
             m = self.router.metrics
             if self.first_at is None:
                 self.first_at = now
-                m.ttft.observe(now - self.started)
+                m.ttft.labels(self.fmt.model).observe(now - self.started)
                 m.class_ttft.labels(self.tier).observe(now - self.started)
             elif previous is not None:
-                m.itl.observe(now - previous)
+                m.itl.labels(self.fmt.model).observe(now - previous)
         return c, text, lps, offset
 
     def _usage(self) -> dict:
@@ -688,15 +688,15 @@ class _Run:
             return
         self.finished = True
         m, end = self.router.metrics, time.perf_counter()
-        m.e2e.observe(end - self.started)
+        m.e2e.labels(self.fmt.model).observe(end - self.started)
         m.requests.labels(self.endpoint, str(status)).inc()
-        m.prompt_tokens.inc(self.prompt_tokens)
+        m.prompt_tokens.labels(self.fmt.model).inc(self.prompt_tokens)
         tpots = []
         for c in self.choices:
-            m.generation_tokens.inc(len(c.token_ids))
+            m.generation_tokens.labels(self.fmt.model).inc(len(c.token_ids))
             if len(c.token_ids) > 1 and c.first_token_at is not None:
                 tpots.append((c.last_token_at - c.first_token_at) / (len(c.token_ids) - 1))
-                m.tpot.observe(tpots[-1])
+                m.tpot.labels(self.fmt.model).observe(tpots[-1])
                 m.class_tpot.labels(self.tier).observe(tpots[-1])
         slo = self.router.config.slo.get(self.tier)
         if slo is not None:

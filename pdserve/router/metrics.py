@@ -26,13 +26,14 @@ class RouterMetrics:
                                 ["endpoint", "status"], registry=r)
         self.errors = Counter("pdserve_router_errors", "Errors, by type", ["type"], registry=r)
         self.in_flight = Gauge("pdserve_router_requests_in_flight", "Requests being served", registry=r)
+        # by model: the name the request was served under (the stage that answered, for a cascade)
         self.ttft = Histogram("pdserve_router_time_to_first_token_seconds", "Request received to first token sent",
-                              buckets=LATENCY_BUCKETS, registry=r)
+                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pdserve_router_inter_token_latency_seconds",
-                             "Gap between consecutive token-bearing messages of a choice", buckets=TOKEN_BUCKETS,
-                             registry=r)
+                             "Gap between consecutive token-bearing messages of a choice", ["model"],
+                             buckets=TOKEN_BUCKETS, registry=r)
         self.tpot = Histogram("pdserve_router_time_per_output_token_seconds",
-                              "(end-to-end - TTFT) / (output tokens - 1), per choice of 2+ tokens",
+                              "(end-to-end - TTFT) / (output tokens - 1), per choice of 2+ tokens", ["model"],
                               buckets=TOKEN_BUCKETS, registry=r)
         self.class_ttft = Histogram("pdserve_router_class_time_to_first_token_seconds", "TTFT by service class "
                                     "(service_tier served: priority, default, flex)", ["tier"],
@@ -43,11 +44,11 @@ class RouterMetrics:
                                     "by whether they met it (met: yes / no; a failed request did not); attainment "
                                     "= yes / (yes + no)", ["tier", "met"], registry=r)
         self.e2e = Histogram("pdserve_router_e2e_request_latency_seconds", "Request received to last byte sent",
-                             buckets=LATENCY_BUCKETS, registry=r)
+                             ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens of answered requests",
-                                     registry=r)
+                                     ["model"], registry=r)
         self.generation_tokens = Counter("pdserve_router_generation_tokens", "Tokens generated and sent",
-                                         registry=r)
+                                         ["model"], registry=r)
         self.retries = Counter("pdserve_router_retries", "Requests moved to another worker before streaming",
                                registry=r)
         self.prefill_decisions = Counter("pdserve_router_prefill_decisions", "Where prompts were prefilled: "

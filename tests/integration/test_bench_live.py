@@ -20,10 +20,12 @@ pytestmark = pytest.mark.integration
 
 
 def counter(url: str, name: str, labels: str = "") -> float:
+    """The counter with exactly these labels; without ``labels``, its sum over every label set."""
     text = httpx.get(url + "/metrics").text
-    pattern = rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+]+)$" if labels else rf"^{re.escape(name)} ([0-9.e+]+)$"
-    m = re.search(pattern, text, re.M)
-    return float(m.group(1)) if m else 0.0
+    if labels:
+        m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+]+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
 
 
 def ok_requests(url: str, endpoint: str) -> float:

@@ -76,6 +76,20 @@ def test_each_request_reaches_only_its_models_workers_tokenized_by_its_tokenizer
     assert tokenizers[MODEL].encode("Hello there") != tokenizers[GEMMA].encode("Hello there")
 
 
+def test_latency_and_token_metrics_carry_the_model(tokenizers):
+    client = _client(tokenizers, [_worker(MODEL, 1, 11), _worker(GEMMA, 2, 22)])
+
+    async def go():
+        async with client:
+            for name in ("smollm2", GEMMA):
+                await client.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 1})
+            return (await client.get("/metrics")).text
+    text = run(go())
+    for model in (MODEL, GEMMA):  # an alias counts under its model's name
+        assert f'pdserve_router_generation_tokens_total{{model="{model}"}} 1.0' in text
+        assert f'pdserve_router_time_to_first_token_seconds_count{{model="{model}"}} 1.0' in text
+
+
 def test_an_unknown_model_gets_a_404_naming_the_served_ones(tokenizers):
     r = _call(_client(tokenizers, [_worker(MODEL, 1, 11), _worker(GEMMA, 2, 22)]), "POST", "/v1/completions",
               {"model": "llama-3-8b", "prompt": "Hi", "max_tokens": 1})
