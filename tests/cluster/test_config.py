@@ -57,22 +57,6 @@ def test_model_repeated_on_the_command_line_serves_exactly_those(tmp_path):
         load_serve_config(None, models=["a", "a"])
 
 
-@pytest.mark.parametrize(("models", "message"), [
-    ("[a, b]", "models: expected a mapping of model names"),
-    ("{a: {aliases: [b]}, b: {}}", "models.b: the name 'b' is already taken by models.a"),
-    ("{a: {engine: {modle: x}}}", "config.models.a.engine: unknown key(s) ['modle']"),
-    ("{a: {pools: {decode: {replicas: 0}}}}", "config.models.a.pools.decode.replicas: at least one decode worker"),
-    ("{a: {name: b}}", "models.a.name: the name is the key"),
-    ("{a: 3}", "models.a: expected a mapping"),
-])
-def test_bad_models_are_refused_naming_the_key(tmp_path, models, message):
-    path = tmp_path / "c.yaml"
-    path.write_text(f"models: {models}\n")
-    with pytest.raises(ConfigError) as e:
-        load_serve_config(path)
-    assert message in str(e.value)
-
-
 def test_the_processes_launcher_starts_each_models_pools_under_its_name():
     from pdserve.cluster.serve_cli import _worker_commands
 
@@ -124,6 +108,13 @@ def test_the_yaml_thresholds_drive_the_disaggregation_decision(tmp_path):
     ("router: {disagg_min_prompt_tokens: -5}", "router.disagg_min_prompt_tokens: must not be negative"),
     ("- 1\n- 2", "must hold a mapping of sections, got list"),
     ("router: [1", "is not valid YAML"),
+    # several models (models:)
+    ("models: [a, b]", "models: expected a mapping of model names"),
+    ("models: {a: {aliases: [b]}, b: {}}", "models.b: the name 'b' is already taken by models.a"),
+    ("models: {a: {engine: {modle: x}}}", "config.models.a.engine: unknown key(s) ['modle']"),
+    ("models: {a: {pools: {decode: {replicas: 0}}}}", "config.models.a.pools.decode.replicas: at least one decode"),
+    ("models: {a: {name: b}}", "models.a.name: the name is the key"),
+    ("models: {a: 3}", "models.a: expected a mapping"),
 ])
 def test_bad_configs_name_the_key(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
