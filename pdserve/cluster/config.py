@@ -133,9 +133,10 @@ class ModelDeployment:
                 raise ConfigError(f"aliases: expected non-empty names, got {alias!r}")
 
 
-def expand_models(data: dict[str, Any]) -> dict[str, Any]:
+def expand_models(data: dict[str, Any], flags: dict[str, Any] | None = None) -> dict[str, Any]:
     """The cluster mapping with every ``models`` entry laid over the top-level ``engine`` and
-    ``pools`` (an entry's engine.model defaults to its name). Idempotent."""
+    ``pools`` (an entry's engine.model defaults to its name), and ``flags``' engine and pools (the
+    command line's) over each entry. Idempotent."""
     models = data.get("models")
     if not models:
         return data
@@ -156,7 +157,8 @@ def expand_models(data: dict[str, Any]) -> dict[str, Any]:
         engine = merge(data.get("engine") or {}, entry.get("engine") or {})
         if "model" not in (entry.get("engine") or {}):
             engine["model"] = name
-        pools = merge(data.get("pools") or {}, entry.get("pools") or {})
+        engine = merge(engine, (flags or {}).get("engine") or {})
+        pools = merge(merge(data.get("pools") or {}, entry.get("pools") or {}), (flags or {}).get("pools") or {})
         expanded[name] = {**entry, "name": entry.get("name", name), "engine": engine, "pools": pools}
     return {**data, "models": expanded}
 
@@ -290,14 +292,7 @@ def load_serve_config(path: str | Path | None, overrides: dict[str, Any] | None 
         data["models"] = {name: file_models.get(name) or {} for name in models}
     elif models:
         data["engine"] = {**(data.get("engine") or {}), "model": models[0]}
-    if isinstance(data.get("models"), dict):  # flags win over a model's own sections too
-        for key in ("engine", "pools"):
-            flags = (overrides or {}).get(key)
-            if flags:
-                data["models"] = {name: {**(entry or {}), key: merge((entry or {}).get(key) or {}, flags)}
-                                  if isinstance(entry or {}, dict) else entry
-                                  for name, entry in data["models"].items()}
-    return from_dict(ServeConfig, expand_models(data), owner="config")
+    return from_dict(ServeConfig, expand_models(data, overrides), owner="config")  # flags win over entries too
 
 
 def to_yaml(config: Any) -> str:

@@ -237,17 +237,17 @@ class Router:
 
     def model(self, name: str | None) -> _Model:
         """The served model a request names (by its name or an alias; none: the only one); 404 otherwise."""
-        served = [n for m in self.models for n in m.names]
-        if name in self.cascades:  # (tokenize, detokenize: as its first stage does)
-            return self.model(self.cascades[name].stages[0])
-        if name is None:
-            if len(self.models) == 1:
-                return self.models[0]
-            raise OpenAIError(400, f"model: required when several models are served: "
-                                   f"{', '.join(map(repr, served))}", param="model")
+        if name is None and len(self.models) == 1:
+            return self.models[0]
         for m in self.models:
             if name in m.names:
                 return m
+        if name in self.cascades:  # (tokenize, detokenize: as its first stage does)
+            return self.model(self.cascades[name].stages[0])
+        served = [n for m in self.models for n in m.names]
+        if name is None:
+            raise OpenAIError(400, f"model: required when several models are served: "
+                                   f"{', '.join(map(repr, served))}", param="model")
         served += list(self.cascades)
         raise OpenAIError(404, f"model {name!r} does not exist; served: {', '.join(map(repr, served))}",
                           type="not_found_error", param="model", code="model_not_found")

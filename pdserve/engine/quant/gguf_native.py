@@ -39,6 +39,7 @@ from pdserve.engine.quant.formats import QuantLinear
 
 Q = GGMLQuantizationType
 TORCH_TYPES = (Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K)
+_BIT_POSITIONS = torch.arange(32, dtype=torch.int32)  # Q5_0's fifth bits, weight i at bit i
 
 
 @dataclass
@@ -58,7 +59,7 @@ def dequantize_blocks(ggml_type: GGMLQuantizationType, blocks: torch.Tensor, col
     if ggml_type not in TORCH_TYPES:
         out = np_dequantize(blocks.numpy(), ggml_type)
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(rows, cols)
-    block_weights, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    _, block_bytes = GGML_QUANT_SIZES[ggml_type]
     if ggml_type in (Q.Q4_K, Q.Q6_K):
         super_blocks = blocks.reshape(-1, block_bytes)
         return (_q4_k(super_blocks) if ggml_type == Q.Q4_K else _q6_k(super_blocks)).reshape(rows, cols)
@@ -72,7 +73,7 @@ def dequantize_blocks(ggml_type: GGMLQuantizationType, blocks: torch.Tensor, col
         return ((q - 8.0) * d).reshape(rows, cols)
     if ggml_type == Q.Q5_0:
         bits = b[..., 2:6].contiguous().view(torch.int32)  # [rows, nb, 1]: bit i belongs to weight i
-        high = (bits >> torch.arange(32, dtype=torch.int32)) & 1
+        high = (bits >> _BIT_POSITIONS) & 1
         return (d * (q + (high << 4).float() - 16.0)).reshape(rows, cols)
     m = b[..., 2:4].contiguous().view(torch.float16).float()
     return (q * d + m).reshape(rows, cols)
