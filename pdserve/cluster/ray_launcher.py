@@ -37,6 +37,7 @@ from pdserve.configs import ConfigError
 log = logging.getLogger(__name__)
 HEAD_STARTED = "Ray runtime started."  # what ray start prints once its processes are up
 HEAD_START_TIMEOUT_S = 180.0
+DEPLOY_JOIN_TIMEOUT_S = 15.0  # serve.run polls every second; an app deleted under it ends the poll
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -247,8 +248,14 @@ def disconnect() -> None:
     ray.shutdown()
 
 
-def shutdown(config, head: RayHead | None) -> bool:
+def shutdown(config, head: RayHead | None, deploying: list[threading.Thread] = ()) -> bool:
     """Delete the application (every replica drains), then stop the head if we started it.
+
+    ``deploying`` are threads that may still be inside ``serve.run`` (it polls the controller until
+    the application and the proxies are up, which can be after the router answers /ready). They are
+    joined before this process leaves Ray: one caught inside a Ray call when ``ray.shutdown()`` tore
+    the core worker down ended the whole process with status 1. With the application deleted (or
+    the controller gone) their next poll raises, so they end within a poll interval.
 
     Returns whether the drain could run: False when the Ray we started had died under us.
     """
@@ -265,6 +272,11 @@ def shutdown(config, head: RayHead | None) -> bool:
     else:
         log.error("Ray's processes were stopped under pdserve serve (ray start exited with status %s); the "
                   "replicas could not drain", head.process.returncode)
+    for thread in deploying:
+        thread.join(DEPLOY_JOIN_TIMEOUT_S)
+        if thread.is_alive():
+            log.warning("the deploy thread is still inside serve.run after %.0f s; leaving Ray anyway",
+                        DEPLOY_JOIN_TIMEOUT_S)
     disconnect()
     if head is not None:
         stop_head(head)

@@ -264,10 +264,11 @@ def _serve_on_ray(cluster, why: str | None = None) -> int:
     head = ray_launcher.connect(cluster.ray)
     on_stop_signals(stop.set)  # again: ray.init installs its own SIGTERM handler
     code = 0
+    deploying: list[threading.Thread] = []
     try:
         ray_launcher.check_placement(cluster)
         if not stop.is_set():
-            code = _deploy_and_announce(cluster, stop)
+            code = _deploy_and_announce(cluster, stop, deploying)
         while code == 0 and not stop.wait(0.5):
             if head is not None and not head.alive():
                 log.error("Ray (pid %d) exited with status %s under pdserve serve", head.process.pid,
@@ -275,13 +276,14 @@ def _serve_on_ray(cluster, why: str | None = None) -> int:
                 code = 1
         log.info("stopping: the replicas drain (up to grace_s)")
     finally:
-        drained = ray_launcher.shutdown(cluster, head)
+        drained = ray_launcher.shutdown(cluster, head, deploying)
     return code if drained else 1
 
 
-def _deploy_and_announce(cluster, stop: threading.Event) -> int:
-    """Deploy the application (in a thread: a signal must not wait for every replica to load), then
-    print the ready line once the router's /ready answers 200. Non-zero if either fails."""
+def _deploy_and_announce(cluster, stop: threading.Event, deploying: list[threading.Thread]) -> int:
+    """Deploy the application (in a thread, added to ``deploying``: a signal must not wait for every
+    replica to load), then print the ready line once the router's /ready answers 200. Non-zero if
+    either fails."""
     from pdserve.cluster import ray_launcher
     from pdserve.cluster.startup import announce, local_url, wait_until_ready
 
@@ -295,7 +297,8 @@ def _deploy_and_announce(cluster, stop: threading.Event) -> int:
                 failure.append(e)
                 stop.set()
 
-    threading.Thread(target=deploy, name="deploy", daemon=True).start()
+    deploying.append(threading.Thread(target=deploy, name="deploy", daemon=True))
+    deploying[-1].start()
     url = local_url(cluster.router.host, cluster.router.port)
     try:
         if wait_until_ready(url, cluster.ready_timeout_s, stopped=stop.is_set):

@@ -230,3 +230,38 @@ def test_decode_may_start_at_zero_only_when_it_can_scale_from_zero():
     waker = ray_app.PoolWaker(config.pools, {"prefill": object(), "decode": object()})
     assert waker.can_wake("decode") and not waker.can_wake("prefill")  # prefill has no autoscaling here
     assert waker.timeouts["decode"] == config.pools.decode.autoscaling.cold_start_timeout_s
+
+
+def test_shutdown_leaves_ray_only_after_a_deploy_thread_still_in_serve_run_has_ended(monkeypatch):
+    """A stop that lands while ``serve.run`` still polls the controller (the router can answer
+    /ready before Serve calls the application RUNNING): the thread's Ray call, caught by
+    ``ray.shutdown()``, ended the whole process with status 1. The app is deleted first (the poll
+    then raises), and only then does this process leave Ray."""
+    import threading
+    import time
+
+    from pdserve.cluster import ray_launcher
+
+    deleted = threading.Event()
+
+    def serve_run():  # polls like Serve's client: raises once the application is gone
+        while not deleted.wait(0.05):
+            pass
+        time.sleep(0.2)  # the poll's sleep: still running when shutdown reaches the join
+        raise RuntimeError("Waiting for application pdserve to be RUNNING, but application doesn't exist.")
+
+    def run():
+        try:
+            serve_run()
+        except RuntimeError:
+            pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    seen = {}
+    serve = SimpleNamespace(delete=lambda name: deleted.set(), shutdown=lambda: None)
+    monkeypatch.setattr(ray_launcher, "_import_ray", lambda: (None, serve))
+    monkeypatch.setattr(ray_launcher, "disconnect", lambda: seen.setdefault("deploy alive", thread.is_alive()))
+    config = load_serve_config(None, {})
+    assert ray_launcher.shutdown(config, None, [thread])
+    assert seen == {"deploy alive": False}
