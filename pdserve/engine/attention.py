@@ -206,6 +206,7 @@ class CpuPagedAttention(TorchPagedAttention):
         fits = num_heads <= MAX_HEADS and head_dim <= MAX_HEAD_DIM
         self.kernels = load_kernels() if fits else None
         self.max_block_size = MAX_BLOCK_SIZE
+        self._prefill_fits: dict[int, bool] = {}  # block size -> whether the prefill kernel takes the shape
 
     def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         from pdserve.engine.cpu_kernels import rows_of_heads, usable, write_kv
@@ -223,6 +224,24 @@ class CpuPagedAttention(TorchPagedAttention):
 
         return paged_decode(self.kernels, q, k_cache, v_cache, meta.decode_block_ids, meta.decode_starts,
                             meta.decode_lens, self.scale)
+
+    def prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+        """The C kernel over the cache in place (chunked, prefix-hit and windowed chunks alike: no
+        gathered copy, no mask tensor); SDPA where the kernel does not take the shape."""
+        from pdserve.engine.cpu_kernels import paged_prefill, rows_of_heads, usable
+
+        if self.kernels is not None and rows_of_heads(q) and usable(k_cache, v_cache) and self._fits(v_cache.shape[2]):
+            out = paged_prefill(self.kernels, q, k_cache, v_cache, chunk.block_ids, chunk.context_len, chunk.window,
+                                self.scale)
+            if out is not None:
+                return out
+        return super().prefill(q, k, v, k_cache, v_cache, chunk)
+
+    def _fits(self, block_size: int) -> bool:
+        if block_size not in self._prefill_fits:
+            self._prefill_fits[block_size] = bool(self.kernels.paged_prefill_f32_fits(
+                self.num_heads, self.num_kv_heads, self.head_dim, block_size))
+        return self._prefill_fits[block_size]
 
 
 def _gather_values(v_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:

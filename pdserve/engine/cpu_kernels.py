@@ -84,10 +84,13 @@ def load_kernels() -> ctypes.CDLL | None:
         "gemm_rows_f32": [ptr] * 3 + [i64] * 3,
         "gemv_bf16_f32": [ptr] * 3 + [i64] * 2,
         "gemm_rows_bf16_f32": [ptr] * 3 + [i64] * 3,
+        "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32],
+        "paged_prefill_f32_fits": [i64] * 4,
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    lib.paged_prefill_f32.restype = lib.paged_prefill_f32_fits.restype = ctypes.c_int
     return lib
 
 
@@ -111,6 +114,22 @@ def paged_decode(
         lens.data_ptr(), out.data_ptr(), n, h, kvh, d, bs, scale,
     )
     return out
+
+
+def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_ids: torch.Tensor, context_len: int, window: int, scale: float) -> torch.Tensor | None:
+    """Attention of a prefill chunk (``q`` ``[n, H, D]``, see ``rows_of_heads``) over its context and
+    itself, read from the cache in place (the chunk's keys and values already written); causal, and
+    within ``window`` positions when it is non-zero. None when the kernel could not allocate its
+    scratch (the caller computes it another way)."""
+    n, h, d = q.shape
+    _, kvh, bs, _ = v_cache.shape
+    out = torch.empty(n, h, d, dtype=torch.float32)
+    failed = lib.paged_prefill_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(), out.data_ptr(), n,
+        context_len, window, h, kvh, d, bs, q.stride(0), h * d, scale,
+    )
+    return None if failed else out
 
 
 def usable(*tensors: torch.Tensor) -> bool:

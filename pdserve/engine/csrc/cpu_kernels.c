@@ -23,6 +23,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_H 128
@@ -259,3 +260,195 @@ DEFINE_GEMV(gemv_f32, float, f32_to_f32)
 DEFINE_GEMV(gemv_bf16_f32, uint16_t, bf16_to_f32)
 DEFINE_GEMM_ROWS(gemm_rows_f32, float, f32_to_f32)
 DEFINE_GEMM_ROWS(gemm_rows_bf16_f32, uint16_t, bf16_to_f32)
+
+/* Paged prefill attention (float32): a chunk of n queries at positions ctx .. ctx + n - 1 over
+ * keys 0 .. ctx + n - 1 read from the cache in place (the chunk's own keys are written there
+ * first), causally and, when window > 0, over the last `window` positions only. One task is the
+ * G query heads of one KV head at PB consecutive positions, stacked as rows (row r: position
+ * p0 + r / G, head r % G), so each key and value read serves G heads. Per step of KC keys: the
+ * scores as register tiles (MRS rows by NV vectors of keys: D broadcast-FMAs from the transposed
+ * key blocks), an online softmax over each row's own key range, then the values as register
+ * tiles (MR rows by 4 vectors of D). GCC vector extensions: 16 lanes with AVX-512, 8 with AVX2.
+ *
+ *   q        rows q_stride floats apart, [H, D] each (a view into the fused qkv projection)
+ *   blocks   the sequence's block ids, covering ctx + n positions
+ *   out      rows out_stride floats apart, [H, D] each
+ * paged_prefill_f32_fits says whether a shape is one this kernel takes. paged_prefill_f32 returns
+ * -1 when a thread's scratch could not be allocated (out is then incomplete), else 0. */
+
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX2__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+static inline vf vload(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+#define PB 16                  /* positions per task */
+#define MAXG 8                 /* query heads per KV head */
+#define ROWS (PB * MAXG)
+#define KC 128                 /* keys per softmax step */
+#define MRS (VW == 16 ? 4 : 2) /* rows per register tile of the scores */
+#define NV 4                   /* key vectors per register tile of the scores */
+#define MR (VW == 16 ? 4 : 3)  /* rows per register tile of the values */
+
+int paged_prefill_f32_fits(int64_t H, int64_t KVH, int64_t D, int64_t BS) {
+    return H % KVH == 0 && H / KVH <= MAXG && D <= MAX_D && D % (4 * VW) == 0 && BS % VW == 0 && BS <= KC &&
+           KC % BS == 0;
+}
+
+/* o[i][c .. c + 4 VW) += sum_j s[i][j] v_j[c ..] for mr rows (a constant when inlined with one) */
+static inline __attribute__((always_inline)) void pv_tile(float *o, const float *s,
+                                                          const float *const *vblk, int64_t c, int64_t kn,
+                                                          int64_t BS, int64_t D, const int mr) {
+    vf acc[MR][4];
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < 4; u++) acc[i][u] = vload(o + i * D + c + u * VW);
+    for (int64_t j = 0; j < kn; j++) {
+        const float *vr = vblk[j / BS] + (j % BS) * D + c;
+        const vf v0 = vload(vr), v1 = vload(vr + VW), v2 = vload(vr + 2 * VW), v3 = vload(vr + 3 * VW);
+        for (int i = 0; i < mr; i++) {
+            const float p = s[i * KC + j];
+            acc[i][0] += v0 * p;
+            acc[i][1] += v1 * p;
+            acc[i][2] += v2 * p;
+            acc[i][3] += v3 * p;
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < 4; u++) vstore(o + i * D + c + u * VW, acc[i][u]);
+}
+
+/* One task: KV head h, positions [pb * PB, pb * PB + PB) of the chunk. */
+static void prefill_task(const float *q, const float *k, const float *v, const int64_t *blocks, float *out,
+                         float *qs, int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D,
+                         int64_t BS, int64_t q_stride, int64_t out_stride, float scale, int64_t pb, int64_t h) {
+    const int64_t G = H / KVH;
+    float *o = qs + ROWS * MAX_D, *s = o + ROWS * MAX_D;
+
+    const int64_t p0 = pb * PB, p1 = p0 + PB < n ? p0 + PB : n;
+    const int64_t rows = (p1 - p0) * G;
+    float m[ROWS], l[ROWS];
+    int64_t last[ROWS], first[ROWS]; /* each row's key range [first, last] (absolute) */
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t pos = p0 + r / G, g = r % G;
+        const float *qr = q + pos * q_stride + (h * G + g) * D;
+        for (int64_t d = 0; d < D; d++) qs[r * D + d] = qr[d] * scale;
+        memset(o + r * D, 0, sizeof(float) * D);
+        m[r] = -FLT_MAX;
+        l[r] = 0.0f;
+        last[r] = ctx + pos;
+        first[r] = window > 0 && ctx + pos - window + 1 > 0 ? ctx + pos - window + 1 : 0;
+    }
+    const int64_t kbegin = (first[0] / BS) * BS, kend = ctx + p1;
+    for (int64_t k0 = kbegin; k0 < kend; k0 += KC) {
+        const int64_t kn = kend - k0 < KC ? kend - k0 : KC; /* keys in this step */
+        /* scores: s[r][j] = qs[r] . key(k0 + j): MRS rows by NV vectors of keys per tile; the key
+         * vectors come from the step's cache blocks ([D][BS] each) */
+        const int64_t ncols = ((kn + BS - 1) / BS) * BS / VW;
+        const float *col[KC / VW];
+        for (int64_t u = 0; u < ncols; u++) {
+            const int64_t key = k0 + u * VW;
+            col[u] = k + (blocks[key / BS] * KVH + h) * D * BS + key % BS;
+        }
+        for (int64_t u0 = 0; u0 < ncols; u0 += NV) {
+            const int64_t nv = ncols - u0 < NV ? ncols - u0 : NV;
+            for (int64_t r0 = 0; r0 < rows; r0 += MRS) {
+                const int64_t mr = rows - r0 < MRS ? rows - r0 : MRS;
+                vf acc[MRS][NV] = {{0}};
+                if (mr == MRS && nv == NV) {
+                    for (int64_t d = 0; d < D; d++) {
+                        vf kv[NV];
+                        for (int u = 0; u < NV; u++) kv[u] = vload(col[u0 + u] + d * BS);
+                        for (int i = 0; i < MRS; i++) {
+                            const float qd = qs[(r0 + i) * D + d];
+                            for (int u = 0; u < NV; u++) acc[i][u] += kv[u] * qd;
+                        }
+                    }
+                } else {
+                    for (int64_t d = 0; d < D; d++)
+                        for (int u = 0; u < nv; u++) {
+                            const vf kv = vload(col[u0 + u] + d * BS);
+                            for (int i = 0; i < mr; i++) acc[i][u] += kv * qs[(r0 + i) * D + d];
+                        }
+                }
+                for (int i = 0; i < mr; i++)
+                    for (int u = 0; u < nv; u++) vstore(s + (r0 + i) * KC + (u0 + u) * VW, acc[i][u]);
+            }
+        }
+        /* online softmax over this step's keys, row by row, within each row's range */
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t a = first[r] - k0, b = last[r] - k0 + 1;
+            a = a < 0 ? 0 : a;
+            b = b > kn ? kn : b;
+            float *sr = s + r * KC;
+            if (a >= b) {
+                memset(sr, 0, sizeof(float) * KC);
+                continue;
+            }
+            float mx = m[r];
+            for (int64_t j = a; j < b; j++) mx = sr[j] > mx ? sr[j] : mx;
+            const float c = expf(m[r] - mx);
+            float sum = 0.0f;
+            for (int64_t j = 0; j < a; j++) sr[j] = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = a; j < b; j++) {
+                sr[j] = expf(sr[j] - mx);
+                sum += sr[j];
+            }
+            for (int64_t j = b; j < KC; j++) sr[j] = 0.0f;
+            l[r] = l[r] * c + sum;
+            m[r] = mx;
+            if (c != 1.0f)
+                for (int64_t d = 0; d < D; d++) o[r * D + d] *= c;
+        }
+        /* o[r] += sum_j s[r][j] value(k0 + j): MR rows by 4 vectors of D per tile, over all
+         * the step's keys before the tile goes back to memory */
+        const float *vblk[KC]; /* the step's value blocks */
+        for (int64_t j0 = 0; j0 < kn; j0 += BS) vblk[j0 / BS] = v + (blocks[(k0 + j0) / BS] * KVH + h) * BS * D;
+        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+            const int64_t mr = rows - r0 < MR ? rows - r0 : MR;
+            for (int64_t c = 0; c < D; c += 4 * VW) {
+                if (mr == MR)
+                    pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, MR);
+                else
+                    pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, mr);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t pos = p0 + r / G, g = r % G;
+        float *orow = out + pos * out_stride + (h * G + g) * D;
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; d++) orow[d] = o[r * D + d] * inv;
+    }
+}
+
+int paged_prefill_f32(const float *q, const float *k, const float *v, const int64_t *blocks, float *out,
+                       int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                       int64_t q_stride, int64_t out_stride, float scale) {
+    const int64_t pblocks = (n + PB - 1) / PB; /* tasks run last positions first: the most keys, so the
+                                                 * dynamic schedule ends balanced */
+    const int64_t tasks = pblocks * KVH;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        /* per thread: the task's queries (scaled) and outputs, row r at r * D; its scores, row r at r * KC */
+        float *qs = aligned_alloc(64, sizeof(float) * ROWS * (2 * MAX_D + KC));
+        failed = qs == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (qs != NULL) prefill_task(q, k, v, blocks, out, qs, n, ctx, window, H, KVH, D, BS, q_stride,
+                                         out_stride, scale, pblocks - 1 - task / KVH, task % KVH);
+        }
+        free(qs);
+    }
+    return failed ? -1 : 0;
+}
