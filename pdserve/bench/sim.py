@@ -1,0 +1,619 @@
+"""``pdserve sim``: a discrete-event simulation of a serving cluster, on the real policies.
+
+    result = simulate(SimConfig(prefill_replicas=2, decode_replicas=4), profile, requests)
+    summarize(result.records, result.duration_s, slo)      # the bench's metrics, table, JSON and plots
+
+What is real and what is modelled:
+
+| real (the same code as the live cluster)                    | modelled                                  |
+|---|---|
+| each replica's ``Scheduler``, ``KVCacheManager``, block pool | a step's duration: ``profile.step_s``     |
+| routing: ``prefill_route``, the named policies, the cost     | a KV transfer: ``profile.transfer_s`` of  |
+|   model, the prefix index fed by the pools' KV events,       |   the tokens the decode worker lacks,     |
+|   recent routes                                              |   from the first token on                 |
+| autoscaling: ``PoolPolicy.decide`` on the pools' signals     | a new replica: ready ``startup_s`` later  |
+|                                                              | sampled tokens: one fixed id, never a stop|
+
+A request's lifecycle (the dispatcher's sequence, router/dispatcher.py, minus the RPCs)::
+
+    arrival -> prefill_route(prompt, a prefill worker in rotation?)
+      colocated: decode policy picks a worker -> add_request -> its steps: prompt chunks, decodes
+      reserve:   decode policy picks a worker -> reserve_remote_kv (None: the next one; none: colocated)
+                 -> prefill_route again, with the decode worker's real hit and both ways in seconds
+                 remote: prefill policy picks a worker -> add_request (handoff after 1 token)
+                         first token (the TTFT) -> transfer_s(uncached on decode) -> finish_remote_kv(ok)
+                 local:  finish_remote_kv(not ok): the decode worker computes what it lacks
+    each step end: one token per sampling request; KV events -> the prefix index; the next step
+
+Load snapshots (``WorkerLoad``) are read as the router reads them: the router's own in-flight counts
+exactly, the worker's numbers as of its last poll (``poll_interval_s``). Time is simulated: nothing
+here reads a clock, and a seed fixes every draw, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.bench.latency_model import Profile, features_of
+from pdserve.bench.metrics import RequestRecord
+from pdserve.cluster.autoscale import AutoscalingConfig, PoolPolicy, PoolSignals
+from pdserve.configs import ConfigError
+from pdserve.engine.engine import PREFILL_RATE_MIN_TOKENS, PREFILL_RATE_STEPS
+from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ModelOutput, Scheduler
+from pdserve.router import cost
+from pdserve.router.cost import CostModel, RouteRequest
+from pdserve.router.policy import (
+    POLICIES,
+    DisaggregationConfig,
+    PrefillInputs,
+    WorkerLoad,
+    cache_aware_factory,
+    prefill_route,
+    random_factory,
+)
+from pdserve.router.prefix_index import PrefixIndex, keys_of_packed, prompt_keys
+from pdserve.router.recent_routes import RecentRoutes
+from pdserve.state.store import KVEventRecord
+from pdserve.worker.metrics import RecentQuantile
+
+TOKEN = 0  # every sampled token (requests carry no EOS id: they end at max_tokens)
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A simulated cluster: the pools, the engine's limits per replica, the router, the autoscaler."""
+
+    prefill_replicas: int = 0  # 0: colocated (decode workers prefill their own prompts)
+    decode_replicas: int = 1
+    policy: str = "cache_aware"  # a router policy name (router/policy.py POLICIES)
+    block_size: int = 16
+    num_kv_blocks: int = 8192  # per replica
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = True
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
+    cost: CostModel | None = None  # the router's cost model (None: the profile's, Profile.cost_model)
+    recent_routes_s: float = 5.0  # cache_aware: the router's recent routes (0: off)
+    poll_interval_s: float = 0.5  # how stale the router's view of a worker's own numbers is
+    transfer_backend: str = "grpc"  # the profile's transfer model to use
+    autoscaling: dict[str, AutoscalingConfig] = field(default_factory=dict)  # by role; absent: fixed size
+    startup_s: float = 30.0  # a replica the autoscaler adds serves this long after it is asked for
+    autoscale_interval_s: float = 1.0  # how often the autoscaling policy decides
+    seed: int = 0  # the policies' tie-breaks
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"router.policy: {self.policy!r} is not one of {sorted(POLICIES)}")
+        if self.prefill_replicas < 0 or self.decode_replicas < 0:
+            raise ConfigError("pools: replicas must not be negative")
+        decode_scaler = self.autoscaling.get("decode")
+        if self.decode_replicas < 1 and (decode_scaler is None or decode_scaler.min_replicas):
+            raise ConfigError(f"pools.decode.replicas: at least one decode worker is needed, got "
+                              f"{self.decode_replicas}")
+        for key in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"engine.{key}: must be at least 1, got {getattr(self, key)}")
+        for key in ("startup_s", "poll_interval_s", "recent_routes_s"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}: must not be negative, got {getattr(self, key)}")
+        if self.autoscale_interval_s <= 0:
+            raise ConfigError(f"autoscale_interval_s: must be positive, got {self.autoscale_interval_s}")
+        unknown = sorted(set(self.autoscaling) - set(ROLES))
+        if unknown:
+            raise ConfigError(f"autoscaling: {unknown} are not pools; pools: {list(ROLES)}")
+
+    @classmethod
+    def from_serve(cls, serve, profile: Profile, **overrides) -> SimConfig:
+        """From the cluster's ``ServeConfig`` (cluster/config.py; one model): its pools, engine limits,
+        router policy, disaggregation thresholds and autoscaling. The KV blocks per replica come from
+        ``engine.num_kv_blocks``, else ``kv_cache_memory_gb`` over the profile's KV bytes per token."""
+        if len(serve.served()) > 1:
+            raise ConfigError("models: the simulator runs one model's pools; give a file with one model")
+        model = serve.served()[0]
+        engine, pools, router = model.engine, model.pools, serve.router
+        blocks = engine.num_kv_blocks or int(engine.kv_cache_memory_gb * 2**30
+                                             // (profile.kv_bytes_per_token * engine.block_size))
+        fields = dict(
+            prefill_replicas=pools.prefill.replicas, decode_replicas=pools.decode.replicas, policy=router.policy,
+            block_size=engine.block_size, num_kv_blocks=blocks, max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_num_seqs=engine.max_num_seqs, scheduling_policy=engine.scheduling_policy,
+            enable_prefix_caching=engine.enable_prefix_caching,
+            disaggregation=DisaggregationConfig(router.disagg_min_prompt_tokens, router.disagg_min_uncached_tokens),
+            recent_routes_s=router.recent_routes_s, poll_interval_s=router.poll_interval_s,
+            transfer_backend=serve.kv_transfer.backend,
+            autoscaling={r: getattr(pools, r).autoscaling for r in ROLES if getattr(pools, r).autoscaling},
+        )
+        return cls(**{**fields, **overrides})
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request of the workload: when it arrives, its prompt, how many tokens it generates."""
+
+    index: int
+    arrival: float  # seconds from the start
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass
+class ReplicaStats:
+    worker_id: str
+    role: str
+    started: float  # when it was asked for
+    ready: float | None  # when it began serving (None: never did)
+    stopped: float | None  # when it left after draining (None: still up at the end)
+    steps: int
+    busy_s: float
+    preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]  # by request index, with simulated times (the bench's records)
+    duration_s: float  # first arrival to last finish
+    replicas: list[ReplicaStats]
+    pools: dict[str, list[tuple[float, int, int]]]  # role -> (time, replicas serving, replicas asked for)
+    decisions: dict[str, int]  # prefill_route outcomes, as the router's decisions metric counts them
+    events: int  # events processed
+
+
+def simulate(config: SimConfig, profile: Profile, requests: list[SimRequest]) -> SimResult:
+    """Run the cluster on the requests (sorted by arrival) until every request has finished."""
+    return _Simulation(config, profile, requests).run()
+
+
+# ---- a replica -----------------------------------------------------------------------------------
+
+
+class _Replica:
+    """One worker: a real scheduler over a real KV cache, its steps timed by the profile."""
+
+    def __init__(self, worker_id: str, role: str, config: SimConfig, fingerprint: str, now: float):
+        self.worker_id, self.role = worker_id, role
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching, fingerprint)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.scheduling_policy)
+        self.state = "starting"  # starting -> ready -> draining -> stopped (or starting -> stopped)
+        self.stepping = False
+        self.inflight = self.inflight_tokens = 0  # the router's counts
+        self.finished = 0  # requests it finished (the autoscaler's "served since the last report")
+        self.stats = ReplicaStats(worker_id, role, now, None, None, 0, 0.0, 0, 0, 0)
+        self._prefill_steps: deque[tuple[int, float]] = deque(maxlen=PREFILL_RATE_STEPS)
+        self._generated: deque[tuple[float, int]] = deque()  # (step end, tokens) within the rate window
+        self._generated_sum = 0
+        self._snapshot = WorkerLoad(worker_id, 0, 0, 0, 0.0)
+        self._snapshot_at = -math.inf
+
+    def load(self, now: float, poll_s: float) -> WorkerLoad:
+        """What the router knows of it: its own counts now, the worker's as of the last poll."""
+        if now - self._snapshot_at >= poll_s:
+            self._snapshot, self._snapshot_at = self._poll(now), now
+        s = self._snapshot
+        return WorkerLoad(self.worker_id, self.inflight, s.num_running, s.num_waiting, s.kv_usage,
+                          s.waiting_prompt_tokens, self.inflight_tokens, s.generation_tokens_per_s,
+                          s.prefill_tokens_per_s, s.free_kv_tokens)
+
+    def _poll(self, now: float) -> WorkerLoad:
+        """The worker's load snapshot as its servicer reports it (worker/servicer.py, engine stats)."""
+        s = self.scheduler
+        waiting_prompt = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+        while self._generated and self._generated[0][0] < now - 5.0:  # async_engine's rate window
+            self._generated_sum -= self._generated.popleft()[1]
+        seconds = sum(t for _, t in self._prefill_steps)
+        prefill_rate = sum(n for n, _ in self._prefill_steps) / seconds if seconds > 0 else 0.0
+        return WorkerLoad(self.worker_id, 0, s.num_running, s.num_waiting, self.kv.usage, waiting_prompt, 0,
+                          self._generated_sum / 5.0, prefill_rate, self.kv.pool.num_free_blocks * self.kv.block_size)
+
+    def begin_step(self, profile: Profile):
+        """Schedule a step: (its output, its seconds), or None with nothing to run."""
+        out = self.scheduler.schedule()
+        if out.empty:
+            return None
+        seconds = profile.step_s(features_of(out.scheduled))
+        prompt = sum(max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start)
+                     for s in out.scheduled)
+        if prompt >= PREFILL_RATE_MIN_TOKENS:  # as the engine measures its prefill rate
+            self._prefill_steps.append((prompt, seconds))
+        self.stepping = True
+        self.stats.steps += 1
+        self.stats.busy_s += seconds
+        return out, seconds
+
+    def end_step(self, out, now: float):
+        """The step's tokens (one per sampling request) into the scheduler; its CoreOutputs."""
+        self.stepping = False
+        sampled = {item.request.request_id: [TOKEN] for item in out.scheduled if item.sample}
+        outputs = self.scheduler.update(out, ModelOutput(sampled))
+        self._generated.append((now, len(outputs)))
+        self._generated_sum += len(outputs)
+        return outputs
+
+    @property
+    def idle(self) -> bool:
+        return not self.scheduler.requests and not self.stepping
+
+
+# ---- the simulation ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Flow:
+    """One request on its way through the cluster."""
+
+    req: SimRequest
+    record: RequestRecord
+    keys: list[int] = field(default_factory=list)  # its prefix-index keys (empty: not hashed)
+    decode: _Replica | None = None
+    prefill: _Replica | None = None
+    uncached: int = 0  # prompt tokens the decode worker lacks (remote: what the transfer ships)
+    counted: int = 0  # tokens added to the decode worker's inflight_tokens until the first token
+    generating: bool = False  # the decode worker's Generate is under way (counted in its inflight)
+    last: float = 0.0  # the last token's time
+
+
+class _Simulation:
+    def __init__(self, config: SimConfig, profile: Profile, requests: list[SimRequest]):
+        self.config, self.profile, self.requests = config, profile, requests
+        self.cost = config.cost or profile.cost_model(config.transfer_backend)
+        profile.transfer_s(1, config.transfer_backend)  # a backend the profile lacks: refused now
+        self.fingerprint = str(profile.model.get("name", "sim"))
+        self.rng = random.Random(config.seed)
+        self.decode_policy, self.prefill_policy = _policies(config.policy, self.cost, self.rng)
+        self.index = PrefixIndex() if config.policy == "cache_aware" else None
+        self.recent = ({r: RecentRoutes(config.recent_routes_s) for r in ROLES}
+                       if config.policy == "cache_aware" and config.recent_routes_s > 0 else None)
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = 0
+        self.events = 0
+        self.pools: dict[str, list[_Replica]] = {r: [] for r in ROLES}
+        self.replicas: list[_Replica] = []
+        self.timeline: dict[str, list[tuple[float, int, int]]] = {r: [] for r in ROLES}
+        self.flows: dict[str, _Flow] = {}
+        self.waiting_for_decode: deque[_Flow] = deque()
+        self.woken_prefill = False  # a long prompt found no prefill worker since the last tick
+        self.decisions: dict[str, int] = {}
+        self.done = 0
+        self.records = [RequestRecord(r.index, r.arrival, len(r.prompt), r.output_len) for r in requests]
+        self._params: dict[int, SamplingParams] = {}
+        self.scalers = {role: PoolPolicy(role, c) for role, c in config.autoscaling.items()}
+        self.ttft = RecentQuantile(clock=lambda: self.now)  # the pools' recent quantiles (worker/metrics.py)
+        self.tpot = RecentQuantile(clock=lambda: self.now)
+        self._finished_seen: dict[str, int] = {}
+        for role, n in (("prefill", config.prefill_replicas), ("decode", config.decode_replicas)):
+            for _ in range(n):
+                self._ready(self._add_replica(role))
+
+    # ---- the event loop ------------------------------------------------------------------------
+
+    def _at(self, t: float, fn, arg=None) -> None:
+        self._seq += 1  # equal times run in the order they were scheduled
+        heapq.heappush(self._heap, (t, self._seq, fn, arg))
+
+    def run(self) -> SimResult:
+        if self.requests:
+            self._at(self.requests[0].arrival, self._arrive, 0)
+        if self.scalers:
+            self._at(0.0, self._tick)
+        heap = self._heap
+        while heap:
+            self.now, _, fn, arg = heapq.heappop(heap)
+            self.events += 1
+            fn(arg)
+        for flow in self.flows.values():  # stuck (no event could move them): failed
+            flow.record.error = "unfinished"
+        first = min((r.start for r in self.records), default=0.0)
+        last = max((r.start + r.latency for r in self.records if r.ok), default=first)
+        stats = [r.stats for r in self.replicas]
+        for r in self.replicas:
+            r.stats.preemptions = r.scheduler.num_preemptions
+            r.stats.prefix_queries, r.stats.prefix_hits = r.scheduler.prefix_queries, r.scheduler.prefix_hits
+        return SimResult(self.records, last - first, stats, self.timeline, dict(sorted(self.decisions.items())),
+                         self.events)
+
+    # ---- arrivals and routing (router/dispatcher.py's sequence) --------------------------------
+
+    def _arrive(self, i: int) -> None:
+        if i + 1 < len(self.requests):
+            self._at(self.requests[i + 1].arrival, self._arrive, i + 1)
+        req = self.requests[i]
+        flow = _Flow(req, self.records[i], last=req.arrival)
+        if cdiv(len(req.prompt) + 1, self.config.block_size) > self.config.num_kv_blocks:
+            flow.record.error = "prompt_too_long"  # the engine refuses it (engine.validate_prompt)
+            self.done += 1
+            return
+        self.flows[str(req.index)] = flow
+        self._dispatch(flow)
+
+    def _dispatch(self, flow: _Flow) -> None:
+        if not self._routable("decode"):
+            self.waiting_for_decode.append(flow)  # until a decode worker is ready
+            return
+        route = self._route_request(flow)
+        prompt = len(flow.req.prompt)
+        where = prefill_route(PrefillInputs(prompt, bool(self._routable("prefill"))), self.config.disaggregation)
+        if where == "reserve":
+            self._disaggregated(flow, route)
+            return
+        if where == "local_no_prefill_worker" and prompt >= self.config.disaggregation.min_prompt_tokens:
+            self.woken_prefill = True
+        self._count(where)
+        self._colocated(flow, route)
+
+    def _route_request(self, flow: _Flow) -> RouteRequest:
+        """Each worker's predicted prefix hit (the index's or the recent routes', the larger), the
+        cheapest remote prefill."""
+        prompt, bs = flow.req.prompt, self.config.block_size
+        cached: dict[str, int] = {}
+        if self.index is not None:  # cache_aware (its workers are always tracked, unlike a live router's)
+            flow.keys = prompt_keys(prompt, self.fingerprint, bs)
+            matched = self.index.lookup(flow.keys)
+            for recent in (self.recent or {}).values():
+                for w, blocks in recent.lookup(flow.keys, self.now).items():
+                    matched[w] = max(blocks, matched.get(w, 0))
+            cached = {w: blocks * bs for w, blocks in matched.items()}
+        req = RouteRequest(len(prompt), cached)
+        prefills = [self._load(w) for w in self._routable("prefill")]
+        return RouteRequest(len(prompt), cached, cost.cheapest_remote_s(prefills, req, self.cost))
+
+    def _pick(self, role: str, route: RouteRequest, tried: set[str], flow: _Flow) -> _Replica | None:
+        candidates = [w for w in self._routable(role) if w.worker_id not in tried]
+        policy = self.decode_policy if role == "decode" else self.prefill_policy
+        chosen = policy([self._load(w) for w in candidates], route)
+        if chosen is None:
+            return None
+        tried.add(chosen)
+        if self.recent is not None and flow.keys:
+            self.recent[role].add(flow.keys, chosen, self.now)
+        return next(w for w in candidates if w.worker_id == chosen)
+
+    def _colocated(self, flow: _Flow, route: RouteRequest) -> None:
+        decode = self._pick("decode", route, set(), flow)
+        predicted = max(min(route.cached.get(decode.worker_id, 0), route.prompt_tokens - 1), 0)
+        self._generate(flow, decode, route.prompt_tokens - predicted)
+        decode.scheduler.add_request(self._request(flow))
+        self._kick(decode)
+
+    def _disaggregated(self, flow: _Flow, route: RouteRequest) -> None:
+        tried: set[str] = set()
+        while True:
+            decode = self._pick("decode", route, tried, flow)
+            if decode is None:  # no decode worker has room to reserve: colocated instead
+                self._count("local_no_room")
+                self._colocated(flow, route)
+                return
+            request = self._request(flow)
+            if decode.scheduler.reserve_remote_kv(request) is not None:
+                break
+        cached = request.num_computed_tokens
+        uncached = route.prompt_tokens - cached
+        local_s = cost.local_prefill_s(self._load(decode), uncached, self.cost)
+        remote_s = None if route.remote_s is None else cost.via_remote_s(route.remote_s, uncached, self.cost)
+        where = prefill_route(PrefillInputs(route.prompt_tokens, True, True, cached, local_s=local_s,
+                                            remote_s=remote_s), self.config.disaggregation)
+        self._count(where)
+        flow.decode, flow.uncached = decode, uncached
+        prefill = self._pick("prefill", route, set(), flow) if where == "remote" else None
+        if prefill is None:  # prefilled on the decode worker, keeping its reservation's hit
+            self._generate(flow, decode, uncached)
+            decode.scheduler.finish_remote_kv(request.request_id, False)
+            self._kick(decode)
+            return
+        flow.prefill = prefill
+        prefill.inflight += 1
+        prefill.inflight_tokens += route.prompt_tokens
+        first = self._request(flow)
+        first.handoff_at = 1  # as engine.make_request(handoff_after=1) on the prefill worker
+        prefill.scheduler.add_request(first)
+        self._kick(prefill)
+
+    def _generate(self, flow: _Flow, decode: _Replica, prefill_tokens: int) -> None:
+        """The decode worker's Generate call: counted in flight there until it ends."""
+        flow.decode, flow.counted, flow.generating = decode, prefill_tokens, True
+        decode.inflight += 1
+        decode.inflight_tokens += prefill_tokens
+
+    def _request(self, flow: _Flow) -> Request:
+        n = flow.req.output_len
+        params = self._params.get(n)
+        if params is None:
+            params = self._params[n] = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+        return Request(str(flow.req.index), flow.req.prompt, params, arrival_time=flow.req.arrival)
+
+    # ---- steps and tokens ----------------------------------------------------------------------
+
+    def _kick(self, replica: _Replica) -> None:
+        """Start the replica's next step if it is free and has work."""
+        if replica.stepping or replica.state == "stopped":
+            return
+        begun = replica.begin_step(self.profile)
+        if begun is not None:
+            self._at(self.now + begun[1], self._step_end, (replica, begun[0]))
+        elif replica.state == "draining" and replica.idle:
+            self._stop(replica)
+
+    def _step_end(self, arg) -> None:
+        replica, out = arg
+        for co in replica.end_step(out, self.now):
+            if replica.role == "prefill":
+                self._first_token_from_prefill(replica, co.request)
+            else:
+                self._token(replica, co.request, co.finished)
+        self._publish(replica)
+        self._kick(replica)
+
+    def _first_token_from_prefill(self, prefill: _Replica, request: Request) -> None:
+        flow = self.flows[request.request_id]
+        prefill.inflight -= 1
+        prefill.inflight_tokens -= len(flow.req.prompt)
+        prefill.finished += 1
+        self.ttft.observe(self.now - flow.req.arrival)  # approximately the prefill worker's own part
+        self._record_token(flow)
+        if request.status is not RequestStatus.FINISHED_HANDOFF:  # its only token: release the reservation
+            flow.decode.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            self._finish(flow)
+            return
+        self._generate(flow, flow.decode, 0)
+        self._at(self.now + self.profile.transfer_s(flow.uncached, self.config.transfer_backend),
+                 self._kv_landed, flow)
+
+    def _kv_landed(self, flow: _Flow) -> None:
+        decode = flow.decode
+        decode.scheduler.finish_remote_kv(str(flow.req.index), True)
+        decode.scheduler.requests[str(flow.req.index)].add_prior_outputs([TOKEN], 0)
+        self._publish(decode)
+        self._kick(decode)
+
+    def _token(self, decode: _Replica, request: Request, finished: bool) -> None:
+        flow = self.flows[request.request_id]
+        if flow.record.ttft is None:
+            decode.inflight_tokens -= flow.counted
+        self._record_token(flow)
+        if finished:
+            decode.finished += 1
+            if flow.record.output_tokens > 1:
+                record = flow.record
+                self.tpot.observe((flow.last - record.start - record.ttft) / (record.output_tokens - 1))
+            self._finish(flow)
+
+    def _record_token(self, flow: _Flow) -> None:
+        record = flow.record
+        if record.ttft is None:
+            record.ttft = self.now - record.start
+        else:
+            record.itl.append(self.now - flow.last)
+        flow.last = self.now
+        record.output_tokens += 1
+
+    def _finish(self, flow: _Flow) -> None:
+        record = flow.record
+        record.ok, record.latency = True, self.now - record.start
+        record.stream_chunks = record.usage_tokens = record.output_tokens
+        if flow.generating:
+            flow.decode.inflight -= 1
+        del self.flows[str(flow.req.index)]
+        self.done += 1
+
+    def _publish(self, replica: _Replica) -> None:
+        """The replica's KV events into the global prefix index (as index_feed.py applies them)."""
+        if self.index is None or replica.state != "ready":  # a draining one is out of the index
+            return
+        events = replica.kv.pool.events
+        for e in events.drain():
+            record = KVEventRecord(replica.worker_id, e.kind, tuple(h.hex() for h in e.block_hashes), events.epoch,
+                                   e.seq)
+            if self.index.apply(record) == "resync":
+                self._resync(replica)
+
+    def _resync(self, replica: _Replica) -> None:
+        if self.index.begin_resync(replica.worker_id):  # False past the index's 64 workers: not indexed
+            snap = replica.kv.pool.snapshot()
+            keys = keys_of_packed(b"".join(snap.block_hashes))
+            self.index.finish_resync(replica.worker_id, snap.epoch, snap.seq, keys)
+
+    # ---- replicas and autoscaling --------------------------------------------------------------
+
+    def _routable(self, role: str) -> list[_Replica]:
+        return [w for w in self.pools[role] if w.state == "ready"]
+
+    def _load(self, replica: _Replica) -> WorkerLoad:
+        return replica.load(self.now, self.config.poll_interval_s)
+
+    def _add_replica(self, role: str) -> _Replica:
+        replica = _Replica(f"{role}-{len(self.pools[role])}", role, self.config, self.fingerprint, self.now)
+        self.pools[role].append(replica)
+        self.replicas.append(replica)
+        return replica
+
+    def _ready(self, replica: _Replica) -> None:
+        if replica.state != "starting":  # removed while it started
+            return
+        replica.state, replica.stats.ready = "ready", self.now
+        replica.kv.pool.events.drain()
+        if self.index is not None:
+            self._resync(replica)
+        self._mark(replica.role)
+        if replica.role == "decode":
+            while self.waiting_for_decode:
+                self._dispatch(self.waiting_for_decode.popleft())
+
+    def _stop(self, replica: _Replica) -> None:
+        replica.state, replica.stats.stopped = "stopped", self.now
+        self._mark(replica.role)
+
+    def _mark(self, role: str) -> None:
+        pool = self.pools[role]
+        point = (self.now, sum(w.state == "ready" for w in pool), sum(w.state in ("starting", "ready") for w in pool))
+        line = self.timeline[role]
+        if line and line[-1][0] == self.now:
+            line[-1] = point
+        elif not line or line[-1][1:] != point[1:]:
+            line.append(point)
+
+    def _tick(self, _=None) -> None:
+        for role, scaler in self.scalers.items():
+            decision = scaler.decide(self._signals(role), self.now)
+            self._resize(role, decision.desired)
+        self.woken_prefill = False
+        if self.done < len(self.requests) and (len(self._heap) or self.waiting_for_decode):
+            self._at(self.now + self.config.autoscale_interval_s, self._tick)
+
+    def _signals(self, role: str) -> PoolSignals:
+        """The pool's signals, as cluster/ray_app.py builds them from what its replicas report."""
+        asked = [w for w in self.pools[role] if w.state in ("starting", "ready")]
+        ready = [w for w in asked if w.state == "ready"]
+        queued = running = 0
+        usage = 0.0
+        for w in ready:
+            s = w.scheduler
+            queued += sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+            busy = s.num_running + s.num_waiting
+            served = w.finished > self._finished_seen.get(w.worker_id, 0)
+            self._finished_seen[w.worker_id] = w.finished
+            running += max(busy, 1 if served else 0)
+            usage += w.kv.usage
+        ttft, tpot = self.ttft.quantile(0.9), self.tpot.quantile(0.9)
+        waiting = len(self.waiting_for_decode) if role == "decode" else int(self.woken_prefill)
+        return PoolSignals(len(asked), queued, running, usage / max(len(ready), 1),
+                           None if ttft is None else 1000 * ttft, None if tpot is None else 1000 * tpot,
+                           waiting if not ready else 0)
+
+    def _resize(self, role: str, desired: int) -> None:
+        asked = [w for w in self.pools[role] if w.state in ("starting", "ready")]
+        for _ in range(desired - len(asked)):
+            self._at(self.now + self.config.startup_s, self._ready, self._add_replica(role))
+        for w in sorted(asked, key=lambda w: (w.state == "ready", -w.stats.started))[:max(len(asked) - desired, 0)]:
+            if w.state == "starting":
+                w.state, w.stats.stopped = "stopped", self.now
+                continue
+            w.state = "draining"  # out of rotation; finishes what it holds, then stops
+            if self.index is not None:
+                self.index.drop_worker(w.worker_id)
+            if w.idle:
+                self._stop(w)
+        self._mark(role)
+
+    def _count(self, where: str) -> None:
+        self.decisions[where] = self.decisions.get(where, 0) + 1
+
+
+def _policies(name: str, model: CostModel, rng: random.Random):
+    """The router's policies by name (policy.POLICIES), those that draw given the simulation's seeded rng."""
+    if name == "cache_aware":
+        return cache_aware_factory(model, rng), cache_aware_factory(model, rng, role="prefill")
+    if name == "random":
+        return random_factory(rng), random_factory(rng)
+    return POLICIES[name](model)
+

@@ -1,0 +1,247 @@
+"""``pdserve sim``: simulate a cluster on a workload, with the bench's flags, table, JSON and plots.
+
+    pdserve sim --config cluster.yaml --profile profile.json --dataset-name random --num-prompts 1000 \\
+        --request-rate 20 --goodput ttft:500 tpot:50 --result-dir sim-results
+
+The cluster comes from the file ``pdserve serve`` takes (pools, engine limits, router policy,
+disaggregation thresholds, autoscaling), with ``--prefill``/``--decode``/``--policy`` over it; the
+workload from the flags ``pdserve bench`` takes (the same seeded requests and arrival times); the
+step and transfer times from a profile (``pdserve profile``'s JSON, or a roofline of a known GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import resource
+import time
+from pathlib import Path
+
+from pdserve.configs import ConfigError, add_arguments, collect_arguments, from_dict
+
+# BenchConfig's flags that mean nothing without a server (or are not simulated yet).
+# (result_dir: its own flag here, as a simulation writes files only when asked.)
+_NOT_SIMULATED = ("base_url", "model", "endpoint", "duration", "warmup_requests", "max_concurrency", "temperature",
+                  "ignore_eos", "timeout_s", "save_text", "progress", "result_dir")
+DEFAULT_ROOFLINE = ("epyc-2core", "smollm2-135m")
+
+
+def load_profile(args: argparse.Namespace):
+    """The profile from ``--profile``, or the roofline of ``--roofline`` and ``--shape``."""
+    from pdserve.bench.latency_model import HARDWARE, Profile, roofline
+    from pdserve.engine.config import PRESETS
+
+    if args.profile and (args.roofline or args.shape):
+        raise ConfigError("--profile: give a profile file or --roofline/--shape, not both")
+    if args.profile:
+        try:
+            return Profile.load(args.profile)
+        except OSError as e:
+            raise ConfigError(f"--profile: cannot read {args.profile}: {e.strerror}") from e
+    hw, shape = args.roofline or DEFAULT_ROOFLINE[0], args.shape or DEFAULT_ROOFLINE[1]
+    if hw not in HARDWARE:
+        raise ConfigError(f"--roofline: {hw!r} is not one of {sorted(HARDWARE)}")
+    if shape not in PRESETS:
+        raise ConfigError(f"--shape: {shape!r} is not one of {sorted(PRESETS)}")
+    return roofline(HARDWARE[hw], dataclasses.asdict(PRESETS[shape]), shape)
+
+
+def sim_config(args: argparse.Namespace, profile, seed: int = 0):
+    """The cluster file with the command line's overrides, as a SimConfig."""
+    from pdserve.bench.sim import SimConfig
+    from pdserve.cluster.config import load_serve_config
+
+    overrides: dict = {}
+    for role in ("prefill", "decode"):
+        if getattr(args, role) is not None:
+            overrides.setdefault("pools", {})[role] = {"replicas": getattr(args, role)}
+    if args.policy is not None:
+        overrides["router"] = {"policy": args.policy}
+    serve = load_serve_config(args.config, overrides)
+    backend = args.transfer_backend or serve.kv_transfer.backend
+    if backend not in profile.transfer and backend == "torch" and "nccl" in profile.transfer:
+        backend = "nccl"  # torch.distributed's transfer on GPUs
+    if backend not in profile.transfer:
+        raise ConfigError(f"--transfer-backend: the profile has no transfer model for {backend!r} (it has: "
+                          f"{sorted(profile.transfer) or 'none'})")
+    if args.startup_s < 0 or args.autoscale_interval_s <= 0:
+        raise ConfigError("--startup-s must not be negative and --autoscale-interval-s must be positive")
+    return SimConfig.from_serve(serve, profile, transfer_backend=backend, startup_s=args.startup_s,
+                                autoscale_interval_s=args.autoscale_interval_s, seed=seed)
+
+
+def requests_from_bench(config, rate: float, vocab_size: int = 49152, tokenizer=None):
+    """The requests ``pdserve bench`` would send with ``config`` (a BenchConfig) at ``rate``: the same
+    seeded workload and arrival times. Token-id prompts need no tokenizer; a jsonl trace of text or
+    chat messages is tokenized with ``tokenizer`` (``load_tokenizer(config.tokenizer)`` when None)."""
+    from pdserve.bench import workloads
+    from pdserve.bench.runner import arrival_offsets
+    from pdserve.bench.sim import SimRequest
+
+    n, seed = config.num_prompts, config.seed
+    vocab = (min(100, vocab_size // 2), vocab_size - 64)  # above the special tokens (runner.vocab_range)
+    name = config.dataset_name
+    if name == "random":
+        items = workloads.random_workload(n, config.random_input_len, config.random_output_len,
+                                          config.random_range_ratio, vocab, seed)
+    elif name == "prefix":
+        items = workloads.prefix_workload(n, config.prefix_num, config.prefix_len, config.suffix_len,
+                                          config.random_output_len, vocab, seed)
+    elif name == "conversational":
+        items = workloads.conversational_workload(n, vocab, seed)
+    elif name == "jsonl":
+        items = workloads.jsonl_workload(config.dataset_path, n, seed)
+    else:
+        raise ConfigError(f"--dataset-name: {name!r} is not simulated (its turns are written from the model's "
+                          f"answers); use random, prefix, conversational or a jsonl trace")
+    offsets = arrival_offsets(len(items), rate, config.arrival, config.burstiness, seed)
+    out = []
+    for i, (item, t) in enumerate(zip(items, offsets)):
+        prompt = item.prompt
+        if not isinstance(prompt, list):
+            if tokenizer is None:
+                from pdserve.engine.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(config.tokenizer)
+            prompt = tokenizer.encode(prompt) if prompt is not None else tokenizer.encode_chat(item.messages)
+        output_len = item.output_len or config.random_output_len
+        if config.max_output_len:
+            output_len = min(output_len, config.max_output_len)
+        out.append(SimRequest(i, t, prompt, output_len))
+    return out
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from pdserve.bench.api import BenchOutcome
+    from pdserve.bench.config import BenchConfig
+    from pdserve.bench.metrics import SLO, goodput_rate, summarize
+    from pdserve.bench.report import sweep_table, table
+    from pdserve.bench.sim import simulate
+
+    bench = from_dict(BenchConfig, collect_arguments(args, BenchConfig), owner="pdserve sim")
+    bench = dataclasses.replace(bench, label=bench.label or f"sim-{bench.dataset_name}")
+    slo = SLO.parse(args.goodput)
+    profile = load_profile(args)
+    config = sim_config(args, profile, bench.seed)
+    print(f"profile: {profile.kind} ({profile.model.get('name', '?')} on {profile.hardware.get('name', '?')}); "
+          f"{config.prefill_replicas} prefill + {config.decode_replicas} decode replicas, policy {config.policy}, "
+          f"{config.num_kv_blocks} KV blocks each")
+    outcome = BenchOutcome(str(profile.model.get("name", "")))
+    sims = []
+    for rate in bench.rate_list() or [bench.request_rate]:
+        requests = requests_from_bench(bench, rate, int(profile.model.get("vocab_size", 49152)))
+        started = time.perf_counter()
+        result = simulate(config, profile, requests)
+        wall_s = time.perf_counter() - started
+        summary = summarize(result.records, result.duration_s, slo)
+        outcome.runs.append({"rate": rate, "records": result.records, "summary": summary})
+        sims.append(_sim_json(result, rate, wall_s))
+        print(table(summary, f"simulated: {bench.dataset_name} @ {rate:g} req/s"))
+        print(_speed_line(len(requests), result.events, wall_s))
+        print("prefill decisions: " + (", ".join(f"{k} {v}" for k, v in result.decisions.items()) or "none"))
+    if bench.rates and slo is not None:
+        outcome.goodput_rate = goodput_rate([r["rate"] for r in outcome.runs],
+                                            [r["summary"].slo_attainment for r in outcome.runs],
+                                            bench.attainment_target)
+    if len(outcome.runs) > 1:
+        print(sweep_table(outcome.runs, outcome.goodput_rate, bench.attainment_target))
+    if args.result_dir is not None:
+        for path in _write(bench, outcome, slo, config, profile, sims):
+            print(f"wrote {path}")
+    return 0 if all(r["summary"].failed == 0 for r in outcome.runs) else 3
+
+
+def _speed_line(requests: int, events: int, wall_s: float) -> str:
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return (f"simulated {requests} requests ({events} events) in {wall_s:.2f} s of wall time: "
+            f"{requests / max(wall_s, 1e-9):.0f} requests per wall second; peak memory {peak_mib:.0f} MiB")
+
+
+def _sim_json(result, rate: float, wall_s: float) -> dict:
+    return {"rate": rate, "wall_s": wall_s, "requests_per_wall_s": len(result.records) / max(wall_s, 1e-9),
+            "events": result.events, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "decisions": result.decisions, "pools": result.pools,
+            "replicas": [dataclasses.asdict(r) for r in result.replicas]}
+
+
+def _write(bench, outcome, slo, config, profile, sims: list[dict]) -> list[Path]:
+    """The bench's JSON and plots, the JSON with a ``sim`` section added, and the pools' replicas over time."""
+    from pdserve.bench.api import write_outputs
+
+    paths = write_outputs(bench, outcome, slo)
+    data = json.loads(paths[0].read_text())
+    cfg = {k: v for k, v in dataclasses.asdict(config).items() if k != "cost"}
+    data["sim"] = {"config": _finite(cfg), "profile": profile.to_json(), "runs": sims}
+    paths[0].write_text(json.dumps(data, indent=1, allow_nan=True))
+    out = Path(bench.result_dir) / f"{bench.label}-replicas.png"
+    plot_replicas(sims, out, f"{bench.dataset_name}: replicas per pool (simulated)")
+    return [*paths, out]
+
+
+def _finite(value):
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return "inf" if isinstance(value, float) and math.isinf(value) else value
+
+
+def plot_replicas(sims: list[dict], path: Path, title: str) -> None:
+    """Each pool's replicas serving and asked for over time (the autoscaler's timeline), per rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    for sim in sims:
+        suffix = f" @ {sim['rate']:g} req/s" if len(sims) > 1 else ""
+        for role, points in sim["pools"].items():
+            if points:
+                t, ready, asked = zip(*points)
+                line, = ax.step(t, ready, where="post", label=f"{role} serving{suffix}")
+                ax.step(t, asked, where="post", ls=":", c=line.get_color(), label=f"{role} asked for{suffix}")
+    ax.set_xlabel("simulated time (s)")
+    ax.set_ylabel("replicas")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def add_commands(sub) -> None:
+    from pdserve.bench.config import BenchConfig
+    from pdserve.bench.latency_model import HARDWARE
+    from pdserve.engine.config import PRESETS
+    from pdserve.router.policy import POLICIES
+
+    sim = sub.add_parser(
+        "sim", help="simulate a cluster on a workload (the real scheduler and policies, a profile's timings)",
+        description="A discrete-event simulation of the cluster in --config: each replica runs the engine's real "
+                    "scheduler and KV cache with step and transfer times from a profile; the router's and the "
+                    "autoscaler's real policies decide. Prints and writes what pdserve bench prints and writes. "
+                    "Exit status: 0 every request finished, 3 some did not.")
+    sim.add_argument("--config", default=None, help="the cluster YAML pdserve serve takes (default: its defaults)")
+    sim.add_argument("--prefill", type=int, default=None, help="prefill replicas, over the file's (0: colocated)")
+    sim.add_argument("--decode", type=int, default=None, help="decode replicas, over the file's")
+    sim.add_argument("--policy", choices=sorted(POLICIES), default=None, help="router policy, over the file's")
+    sim.add_argument("--profile", default=None, help="a latency profile (JSON, from pdserve profile)")
+    sim.add_argument("--roofline", choices=sorted(HARDWARE), default=None,
+                     help=f"instead of --profile: a modelled profile of this hardware (default: {DEFAULT_ROOFLINE[0]})")
+    sim.add_argument("--shape", choices=sorted(PRESETS), default=None,
+                     help=f"the model shape of --roofline (default: {DEFAULT_ROOFLINE[1]})")
+    sim.add_argument("--transfer-backend", default=None,
+                     help="the profile's KV transfer model to use (default: the file's kv_transfer.backend)")
+    sim.add_argument("--startup-s", type=float, default=30.0,
+                     help="seconds from the autoscaler asking for a replica to its serving (default: 30)")
+    sim.add_argument("--autoscale-interval-s", type=float, default=1.0,
+                     help="how often the autoscaling policy decides, in simulated seconds (default: 1)")
+    add_arguments(sim, BenchConfig, skip=_NOT_SIMULATED)
+    sim.add_argument("--result-dir", default=None,
+                     help="where the JSON of every request and the PNG plots go (default: not written)")
+    sim.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=None,
+                     help="SLOs for goodput and attainment, e.g. --goodput ttft:500 tpot:50 (milliseconds)")
+    sim.set_defaults(func=cmd_sim)
+

@@ -1,0 +1,177 @@
+"""pdserve sim: the real scheduler, router and autoscaling policies on simulated time."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+
+from pdserve.bench.config import BenchConfig
+from pdserve.bench.latency_model import Profile, StepFeatures, StepModel, TransferModel, chunk_pairs
+from pdserve.bench.metrics import RequestRecord, Summary
+from pdserve.bench.sim import SimConfig, SimRequest, _Simulation, simulate
+from pdserve.cluster.autoscale import AutoscalingConfig
+from pdserve.cluster.cli import main
+
+# Round numbers: a step is 10 ms + 0.1 ms per prompt token + 1 ms per decoding sequence; a transfer
+# 5 ms + 10 us per token (1,000 bytes a token at 1e-8 s a byte).
+STEP = StepModel(overhead_s=0.01, per_prefill_token_s=1e-4, per_attention_pair_s=0.0, per_decode_seq_s=1e-3,
+                 per_decode_context_s=0.0)
+PROFILE = Profile("measured", {"name": "test", "kv_bytes_per_token": 1000}, {"name": "test"}, STEP,
+                  {"grpc": TransferModel(0.005, 1e-8)})
+DECODE_STEP = 0.011  # one sequence
+
+
+def prefill_s(tokens: int) -> float:
+    return STEP.step_s(StepFeatures(tokens, chunk_pairs(0, tokens)))
+
+
+def ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def random_requests(n: int, rate: float, seed: int) -> list[SimRequest]:
+    rng = random.Random(seed)
+    return [SimRequest(i, i / rate, ids(rng, rng.randint(32, 600)), rng.randint(4, 48)) for i in range(n)]
+
+
+def run_checked(config: SimConfig, requests: list[SimRequest]):
+    """Simulate, then check that every block went back to its pool (the scheduler tests' leak check)."""
+    sim = _Simulation(config, PROFILE, requests)
+    result = sim.run()
+    for replica in sim.replicas:
+        assert replica.kv.pool.num_referenced() == 0, replica.worker_id
+        assert not replica.scheduler.requests
+    assert all(r.ok for r in result.records), [r.error for r in result.records if not r.ok]
+    return result
+
+
+def test_one_request_on_one_replica_takes_the_profiles_step_times():
+    result = run_checked(SimConfig(), [SimRequest(0, 0.0, list(range(100, 300)), 5)])
+    r = result.records[0]
+    assert r.ttft == pytest.approx(prefill_s(200))  # 10 ms + 200 x 0.1 ms
+    assert r.itl == pytest.approx([DECODE_STEP] * 4)
+    assert r.tpot == pytest.approx(DECODE_STEP)
+    assert r.output_tokens == 5 and result.duration_s == pytest.approx(prefill_s(200) + 4 * DECODE_STEP)
+
+
+def test_the_same_seed_gives_the_same_records_and_another_differs():
+    config = SimConfig(prefill_replicas=2, decode_replicas=3)
+    first = simulate(config, PROFILE, random_requests(150, 40.0, seed=1))
+    again = simulate(config, PROFILE, random_requests(150, 40.0, seed=1))
+    other = simulate(config, PROFILE, random_requests(150, 40.0, seed=2))
+    assert [r.to_dict() for r in first.records] == [r.to_dict() for r in again.records]
+    assert first.decisions == again.decisions and first.pools == again.pools
+    assert [r.to_dict() for r in first.records] != [r.to_dict() for r in other.records]
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "least_loaded", "round_robin", "random"])
+def test_a_small_cluster_serves_every_request(policy):
+    result = run_checked(SimConfig(prefill_replicas=2, decode_replicas=4, policy=policy, num_kv_blocks=512),
+                         random_requests(300, 100.0, seed=3))
+    assert sum(s.steps for s in result.replicas) > 0
+    assert {"remote", "local_short"} <= set(result.decisions)
+
+
+def test_a_long_prompt_is_prefilled_remotely_and_its_kv_shipped_before_decoding():
+    rng = random.Random(4)
+    result = run_checked(SimConfig(prefill_replicas=1, decode_replicas=1), [SimRequest(0, 0.0, ids(rng, 512), 3)])
+    assert result.decisions == {"remote": 1}
+    r = result.records[0]
+    # The first token is the prefill worker's (the router streams it at once: the TTFT); the decode
+    # worker's first step waits for the KV of the 512 tokens it does not hold.
+    assert r.ttft == pytest.approx(prefill_s(512))
+    assert r.itl == pytest.approx([PROFILE.transfer_s(512) + DECODE_STEP, DECODE_STEP])
+    prefill, decode = sorted(result.replicas, key=lambda s: s.role, reverse=True)
+    assert (prefill.role, prefill.steps, decode.steps) == ("prefill", 1, 2)
+
+
+def test_a_short_prompt_is_prefilled_where_it_is_decoded():
+    rng = random.Random(5)
+    result = run_checked(SimConfig(prefill_replicas=1, decode_replicas=1), [SimRequest(0, 0.0, ids(rng, 64), 3)])
+    assert result.decisions == {"local_short": 1}  # under disagg_min_prompt_tokens (128)
+    assert result.records[0].ttft == pytest.approx(prefill_s(64))
+    assert [s.steps for s in result.replicas if s.role == "prefill"] == [0]
+
+
+def test_a_repeated_prefix_hits_the_cache_and_its_first_token_comes_sooner():
+    rng = random.Random(6)
+    prefix = ids(rng, 256)
+    requests = [SimRequest(0, 0.0, prefix + ids(rng, 16), 2), SimRequest(1, 1.0, prefix + ids(rng, 16), 2)]
+    result = run_checked(SimConfig(), requests)
+    first, second = result.records
+    assert first.ttft == pytest.approx(prefill_s(272))
+    assert second.ttft == pytest.approx(prefill_s(16))  # the prefix's 16 blocks were cached
+    assert result.replicas[0].prefix_hits == 256
+
+
+def prefix_hits(policy: str) -> int:
+    rng = random.Random(7)
+    prefixes = [ids(rng, 512), ids(rng, 512)]
+    requests = [SimRequest(i, 0.5 * i, prefixes[i % 2] + ids(rng, 8), 4) for i in range(16)]
+    result = run_checked(SimConfig(decode_replicas=4, policy=policy), requests)
+    return sum(s.prefix_hits for s in result.replicas)
+
+
+def test_cache_aware_routing_sends_repeats_to_the_worker_holding_their_prefix():
+    # Every repeat of each prefix after its first goes where that prefix is (the index, fed by the
+    # replicas' KV events); taking turns misses on every worker that has not seen it yet.
+    assert prefix_hits("cache_aware") == 14 * 512
+    assert prefix_hits("round_robin") < 14 * 512
+
+
+def test_the_autoscaler_adds_a_replica_after_its_window_and_it_serves_after_start_up():
+    scaling = AutoscalingConfig(min_replicas=1, max_replicas=3, target_running_requests=4, upscale_window_s=5.0,
+                                downscale_window_s=60.0)
+    rng = random.Random(8)
+    requests = [SimRequest(i, 0.1 * i, ids(rng, 64), 400) for i in range(200)]  # a step of 10 req/s from t=0
+    result = run_checked(SimConfig(decode_replicas=1, autoscaling={"decode": scaling}, startup_s=10.0), requests)
+    timeline = result.pools["decode"]
+    asked_at = next(t for t, _, asked in timeline if asked >= 2)
+    ready_at = next(t for t, ready, _ in timeline if ready >= 2)
+    assert asked_at >= scaling.upscale_window_s
+    assert ready_at == pytest.approx(asked_at + 10.0)
+    added = [s for s in result.replicas if s.worker_id == "decode-1"][0]
+    assert added.ready == pytest.approx(ready_at) and added.steps > 0
+    assert max(asked for _, _, asked in timeline) <= 3
+
+
+def test_the_cli_writes_the_bench_json_and_plots(tmp_path, capsys):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("pools:\n  prefill: {replicas: 1}\n  decode: {replicas: 2}\nrouter: {policy: least_loaded}\n")
+    rc = main(["sim", "--config", str(cluster), "--roofline", "h100-sxm", "--shape", "smollm2-135m",
+               "--num-prompts", "30", "--request-rate", "10", "--random-input-len", "300", "--random-output-len", "8",
+               "--goodput", "ttft:500", "tpot:50", "--result-dir", str(tmp_path / "out"), "--label", "run"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "requests per wall second" in printed and "Successful requests:" in printed
+    data = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert {"config", "runs", "model", "goodput_rate", "interrupted", "slo"} <= set(data)  # pdserve bench's keys
+    assert set(data["config"]) == {f.name for f in dataclasses.fields(BenchConfig)}
+    run = data["runs"][0]
+    assert set(run) == {"rate", "summary", "records"}
+    assert set(run["summary"]) == {f.name for f in dataclasses.fields(Summary)}
+    assert set(run["records"][0]) == set(RequestRecord(0, 0.0, 1, 1).to_dict())
+    assert run["summary"]["completed"] == 30 and data["slo"] == {"ttft_ms": 500.0, "tpot_ms": 50.0}
+    assert data["sim"]["config"]["prefill_replicas"] == 1 and data["sim"]["config"]["policy"] == "least_loaded"
+    for name in ("run-latency.png", "run-timeline.png", "run-replicas.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--dataset-name", "chat"], "--dataset-name"),
+    (["--profile", "/nonexistent.json"], "--profile"),
+    (["--transfer-backend", "carrier-pigeon"], "--transfer-backend"),
+])
+def test_the_cli_names_the_flag_it_refuses(args, named, capsys):
+    assert main(["sim", "--num-prompts", "2", *args]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_the_cli_names_the_config_key_it_refuses(tmp_path, capsys):
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("pools:\n  decode: {replics: 2}\n")
+    assert main(["sim", "--config", str(cluster), "--num-prompts", "2"]) == 2
+    assert "replics" in capsys.readouterr().err
