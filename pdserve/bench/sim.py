@@ -1,7 +1,7 @@
 """``pdserve sim``: a discrete-event simulation of a serving cluster, on the real policies.
 
     result = simulate(SimConfig(prefill_replicas=2, decode_replicas=4), profile, requests)
-    summarize(result.records, result.duration_s, slo)      # the bench's metrics, table, JSON and plots
+    result.summary(slo)      # the bench's metrics (metrics.summarize), for its table, JSON and plots
 
 What is real and what is modelled:
 
@@ -28,6 +28,16 @@ A request's lifecycle (the dispatcher's sequence, router/dispatcher.py, minus th
 Load snapshots (``WorkerLoad``) are read as the router reads them: the router's own in-flight counts
 exactly, the worker's numbers as of its last poll (``poll_interval_s``). Time is simulated: nothing
 here reads a clock, and a seed fixes every draw, so a run is reproducible.
+
+Speed (``fast_decode``): a decode worker's step in which every running request decodes one token and
+nothing else can happen (nothing to admit, a free block for each request starting one, none stopping
+but at its length) skips ``Scheduler.schedule``/``update`` and their per-step objects: it makes the
+same ``KVCacheManager.allocate_slots`` calls the scheduler would (only where a block starts or fills:
+elsewhere that call changes nothing), the same token appends, and ends requests at their length with
+``finish_requests``. Every step is still its own event, so the event order, the records, the KV
+events and the load snapshots are those of the scheduler's path (tests compare the two).
+``compact_records`` keeps the inter-token gaps as (gap, count) runs instead of a list per request
+(``SimResult.summary`` reads them; a million requests' lists would not fit in memory).
 """
 
 from __future__ import annotations
@@ -35,11 +45,14 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
-from pdserve.bench.latency_model import Profile, features_of
-from pdserve.bench.metrics import RequestRecord
+import numpy as np
+
+from pdserve.bench.latency_model import Profile, StepFeatures, features_of
+from pdserve.bench.metrics import SLO, RequestRecord, Summary, summarize
 from pdserve.cluster.autoscale import AutoscalingConfig, PoolPolicy, PoolSignals
 from pdserve.configs import ConfigError
 from pdserve.engine.engine import PREFILL_RATE_MIN_TOKENS, PREFILL_RATE_STEPS
@@ -89,6 +102,8 @@ class SimConfig:
     startup_s: float = 30.0  # a replica the autoscaler adds serves this long after it is asked for
     autoscale_interval_s: float = 1.0  # how often the autoscaling policy decides
     seed: int = 0  # the policies' tie-breaks
+    fast_decode: bool = True  # decode-only steps without the scheduler's objects (same results; False: reference)
+    compact_records: bool = False  # records without per-token gaps; SimResult.summary has them (for big runs)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -167,6 +182,42 @@ class SimResult:
     pools: dict[str, list[tuple[float, int, int]]]  # role -> (time, replicas serving, replicas asked for)
     decisions: dict[str, int]  # prefill_route outcomes, as the router's decisions metric counts them
     events: int  # events processed
+    itl_runs: tuple[array, array] | None = None  # compact_records: (gap s, how many tokens had it), all requests
+
+    def summary(self, slo: SLO | None = None) -> Summary:
+        """The bench's summary of the records (``metrics.summarize``); with compact records, the ITL
+        statistics from ``itl_runs`` (the same numbers as from per-request lists, up to float rounding)."""
+        out = summarize(self.records, self.duration_s, slo)
+        if self.itl_runs is not None:
+            out.itl_ms = weighted_stats_ms(*self.itl_runs)
+        return out
+
+
+def weighted_stats_ms(values, counts) -> dict[str, float]:
+    """``metrics.stats_ms`` of ``values`` each repeated ``counts`` times, without repeating them:
+    numpy's mean and its linear-interpolation percentiles (``np.median`` is the 50th)."""
+    v = np.asarray(values, dtype=float) * 1e3
+    c = np.asarray(counts, dtype=np.int64)
+    keep = c > 0
+    v, c = v[keep], c[keep]
+    if not len(v):
+        return {k: math.nan for k in ("mean", "median", "p90", "p99", "max")}
+    order = np.argsort(v, kind="stable")
+    v, c = v[order], c[order]
+    ends = np.cumsum(c)  # sorted value i fills positions [ends[i-1], ends[i])
+    n = int(ends[-1])
+
+    def at(position: int) -> float:
+        return float(v[np.searchsorted(ends, position, side="right")])
+
+    def percentile(q: float) -> float:
+        virtual = (q / 100) * (n - 1)
+        low = math.floor(virtual)
+        a, b, t = at(low), at(min(low + 1, n - 1)), virtual - low
+        return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
+
+    return {"mean": float((v * c).sum() / n), "median": percentile(50), "p90": percentile(90),
+            "p99": percentile(99), "max": float(v[-1])}
 
 
 def simulate(config: SimConfig, profile: Profile, requests: list[SimRequest]) -> SimResult:
@@ -195,15 +246,20 @@ class _Replica:
         self._generated_sum = 0
         self._snapshot = WorkerLoad(worker_id, 0, 0, 0, 0.0)
         self._snapshot_at = -math.inf
+        self._load = self._snapshot  # the last load handed out (built again when a count in it changed)
 
     def load(self, now: float, poll_s: float) -> WorkerLoad:
         """What the router knows of it: its own counts now, the worker's as of the last poll."""
         if now - self._snapshot_at >= poll_s:
             self._snapshot, self._snapshot_at = self._poll(now), now
-        s = self._snapshot
-        return WorkerLoad(self.worker_id, self.inflight, s.num_running, s.num_waiting, s.kv_usage,
-                          s.waiting_prompt_tokens, self.inflight_tokens, s.generation_tokens_per_s,
-                          s.prefill_tokens_per_s, s.free_kv_tokens)
+            self._load = self._snapshot
+        w = self._load
+        if w is self._snapshot or w.inflight != self.inflight or w.inflight_tokens != self.inflight_tokens:
+            s = self._snapshot
+            w = self._load = WorkerLoad(self.worker_id, self.inflight, s.num_running, s.num_waiting, s.kv_usage,
+                                        s.waiting_prompt_tokens, self.inflight_tokens, s.generation_tokens_per_s,
+                                        s.prefill_tokens_per_s, s.free_kv_tokens)
+        return w
 
     def _poll(self, now: float) -> WorkerLoad:
         """The worker's load snapshot as its servicer reports it (worker/servicer.py, engine stats)."""
@@ -216,8 +272,12 @@ class _Replica:
         return WorkerLoad(self.worker_id, 0, s.num_running, s.num_waiting, self.kv.usage, waiting_prompt, 0,
                           self._generated_sum / 5.0, prefill_rate, self.kv.pool.num_free_blocks * self.kv.block_size)
 
-    def begin_step(self, profile: Profile):
-        """Schedule a step: (its output, its seconds), or None with nothing to run."""
+    def begin_step(self, profile: Profile, fast: bool):
+        """Schedule a step: (its output, its seconds), or None with nothing to run. The output is the
+        scheduler's, or (``fast``, a decode-only step) the list of requests decoding a token."""
+        batch = self._decode_only() if fast else None
+        if batch is not None:
+            return self._begin_decode(batch, profile)
         out = self.scheduler.schedule()
         if out.empty:
             return None
@@ -231,13 +291,68 @@ class _Replica:
         self.stats.busy_s += seconds
         return out, seconds
 
-    def end_step(self, out, now: float):
-        """The step's tokens (one per sampling request) into the scheduler; its CoreOutputs."""
+    def end_step(self, out, now: float) -> list[tuple[Request, bool]]:
+        """The step's tokens (one per sampling request) into the scheduler: (request, finished) of each."""
         self.stepping = False
-        sampled = {item.request.request_id: [TOKEN] for item in out.scheduled if item.sample}
-        outputs = self.scheduler.update(out, ModelOutput(sampled))
+        if isinstance(out, list):
+            outputs = self._end_decode(out)
+        else:
+            sampled = {item.request.request_id: [TOKEN] for item in out.scheduled if item.sample}
+            outputs = [(co.request, co.finished) for co in self.scheduler.update(out, ModelOutput(sampled))]
         self._generated.append((now, len(outputs)))
         self._generated_sum += len(outputs)
+        return outputs
+
+    # A decode-only step, as Scheduler.schedule and update would run it (module docstring, "Speed").
+
+    def _decode_only(self) -> list[Request] | None:
+        """The running requests, when the next step gives each exactly one token and does nothing else:
+        a decode worker (its requests stop only at their length: ``_request``), each one token behind, no
+        admission (nothing waits, or the batch is full), within the token budget, and a free block for each
+        request that starts one (no preemption). None otherwise: the scheduler steps."""
+        s = self.scheduler
+        running = s.running
+        if (self.role != "decode" or not running or len(running) > s.max_num_batched_tokens
+                or (s.waiting and len(running) < s.max_num_seqs)):
+            return None
+        bs = self.kv.block_size
+        new_blocks = 0
+        for r in running:
+            if r.num_tokens - r.num_computed_tokens != 1 or r.num_spec_slots:
+                return None
+            if r.num_computed_tokens % bs == 0:
+                new_blocks += 1
+        if new_blocks > self.kv.pool.num_free_blocks:
+            return None
+        return list(running)
+
+    def _begin_decode(self, batch: list[Request], profile: Profile):
+        """Each request's slot for its token, in the scheduler's order. ``allocate_slots`` is called where
+        the position starts a block (a new one) or fills one (its hash cached, a KV event); at any other
+        position it would change nothing."""
+        bs, kv = self.kv.block_size, self.kv
+        context = 0
+        for r in batch:
+            n = r.num_computed_tokens
+            if n % bs == 0 or (n + 1) % bs == 0:
+                if kv.allocate_slots(r, 1) is None:
+                    raise AssertionError(f"{self.worker_id}: no block for {r.request_id} after counting free ones")
+            r.num_computed_tokens = n + 1
+            context += n + 1
+        seconds = profile.step_s(StepFeatures(decode_seqs=len(batch), decode_context=context))
+        self.stepping = True
+        self.stats.steps += 1
+        self.stats.busy_s += seconds
+        return batch, seconds
+
+    def _end_decode(self, batch: list[Request]) -> list[tuple[Request, bool]]:
+        outputs = []
+        for r in batch:
+            r.append_output_token(TOKEN)
+            done = r.num_output_tokens >= r.max_output_tokens
+            if done:  # as update() ends it: FINISHED_LENGTH, out of running, its blocks freed in this order
+                self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_LENGTH)
+            outputs.append((r, done))
         return outputs
 
     @property
@@ -280,13 +395,17 @@ class _Simulation:
         self.events = 0
         self.pools: dict[str, list[_Replica]] = {r: [] for r in ROLES}
         self.replicas: list[_Replica] = []
+        self.by_id: dict[str, _Replica] = {}
+        self._rotation: dict[str, list[_Replica]] = {}  # role -> its replicas in rotation (_routable)
         self.timeline: dict[str, list[tuple[float, int, int]]] = {r: [] for r in ROLES}
         self.flows: dict[str, _Flow] = {}
         self.waiting_for_decode: deque[_Flow] = deque()
         self.woken_prefill = False  # a long prompt found no prefill worker since the last tick
         self.decisions: dict[str, int] = {}
         self.done = 0
-        self.records = [RequestRecord(r.index, r.arrival, len(r.prompt), r.output_len) for r in requests]
+        # Each request's record is made when it arrives (a long workload may build its prompts lazily).
+        self.records: list[RequestRecord] = [None] * len(requests)
+        self.itl_runs = (array("d"), array("q")) if config.compact_records else None
         self._params: dict[int, SamplingParams] = {}
         self.scalers = {role: PoolPolicy(role, c) for role, c in config.autoscaling.items()}
         self.ttft = RecentQuantile(clock=lambda: self.now)  # the pools' recent quantiles (worker/metrics.py)
@@ -321,7 +440,7 @@ class _Simulation:
             r.stats.preemptions = r.scheduler.num_preemptions
             r.stats.prefix_queries, r.stats.prefix_hits = r.scheduler.prefix_queries, r.scheduler.prefix_hits
         return SimResult(self.records, last - first, stats, self.timeline, dict(sorted(self.decisions.items())),
-                         self.events)
+                         self.events, self.itl_runs)
 
     # ---- arrivals and routing (router/dispatcher.py's sequence) --------------------------------
 
@@ -329,7 +448,10 @@ class _Simulation:
         if i + 1 < len(self.requests):
             self._at(self.requests[i + 1].arrival, self._arrive, i + 1)
         req = self.requests[i]
-        flow = _Flow(req, self.records[i], last=req.arrival)
+        record = self.records[i] = RequestRecord(req.index, req.arrival, len(req.prompt), req.output_len)
+        if self.itl_runs is not None:
+            record.itl = ()  # never appended to: the gaps go to itl_runs
+        flow = _Flow(req, record, last=req.arrival)
         if cdiv(len(req.prompt) + 1, self.config.block_size) > self.config.num_kv_blocks:
             flow.record.error = "prompt_too_long"  # the engine refuses it (engine.validate_prompt)
             self.done += 1
@@ -365,19 +487,23 @@ class _Simulation:
                     matched[w] = max(blocks, matched.get(w, 0))
             cached = {w: blocks * bs for w, blocks in matched.items()}
         req = RouteRequest(len(prompt), cached)
-        prefills = [self._load(w) for w in self._routable("prefill")]
+        now, poll_s = self.now, self.config.poll_interval_s
+        prefills = [w.load(now, poll_s) for w in self._routable("prefill")]
         return RouteRequest(len(prompt), cached, cost.cheapest_remote_s(prefills, req, self.cost))
 
     def _pick(self, role: str, route: RouteRequest, tried: set[str], flow: _Flow) -> _Replica | None:
-        candidates = [w for w in self._routable(role) if w.worker_id not in tried]
+        candidates = self._routable(role)
+        if tried:
+            candidates = [w for w in candidates if w.worker_id not in tried]
         policy = self.decode_policy if role == "decode" else self.prefill_policy
-        chosen = policy([self._load(w) for w in candidates], route)
+        now, poll_s = self.now, self.config.poll_interval_s
+        chosen = policy([w.load(now, poll_s) for w in candidates], route)  # every worker: as the router does
         if chosen is None:
             return None
         tried.add(chosen)
         if self.recent is not None and flow.keys:
             self.recent[role].add(flow.keys, chosen, self.now)
-        return next(w for w in candidates if w.worker_id == chosen)
+        return self.by_id[chosen]
 
     def _colocated(self, flow: _Flow, route: RouteRequest) -> None:
         decode = self._pick("decode", route, set(), flow)
@@ -438,7 +564,7 @@ class _Simulation:
         """Start the replica's next step if it is free and has work."""
         if replica.stepping or replica.state == "stopped":
             return
-        begun = replica.begin_step(self.profile)
+        begun = replica.begin_step(self.profile, self.config.fast_decode)
         if begun is not None:
             self._at(self.now + begun[1], self._step_end, (replica, begun[0]))
         elif replica.state == "draining" and replica.idle:
@@ -446,11 +572,11 @@ class _Simulation:
 
     def _step_end(self, arg) -> None:
         replica, out = arg
-        for co in replica.end_step(out, self.now):
+        for request, finished in replica.end_step(out, self.now):
             if replica.role == "prefill":
-                self._first_token_from_prefill(replica, co.request)
+                self._first_token_from_prefill(replica, request)
             else:
-                self._token(replica, co.request, co.finished)
+                self._token(replica, request, finished)
         self._publish(replica)
         self._kick(replica)
 
@@ -492,8 +618,16 @@ class _Simulation:
         record = flow.record
         if record.ttft is None:
             record.ttft = self.now - record.start
-        else:
+        elif self.itl_runs is None:
             record.itl.append(self.now - flow.last)
+        else:  # a run of equal gaps (a step's batch shares one) is one entry
+            gaps, counts = self.itl_runs
+            gap = self.now - flow.last
+            if gaps and gaps[-1] == gap:
+                counts[-1] += 1
+            else:
+                gaps.append(gap)
+                counts.append(1)
         flow.last = self.now
         record.output_tokens += 1
 
@@ -526,7 +660,11 @@ class _Simulation:
     # ---- replicas and autoscaling --------------------------------------------------------------
 
     def _routable(self, role: str) -> list[_Replica]:
-        return [w for w in self.pools[role] if w.state == "ready"]
+        """The pool's replicas in rotation (kept until a replica's state changes: ``_mark``)."""
+        rotation = self._rotation.get(role)
+        if rotation is None:
+            rotation = self._rotation[role] = [w for w in self.pools[role] if w.state == "ready"]
+        return rotation
 
     def _load(self, replica: _Replica) -> WorkerLoad:
         return replica.load(self.now, self.config.poll_interval_s)
@@ -535,6 +673,7 @@ class _Simulation:
         replica = _Replica(f"{role}-{len(self.pools[role])}", role, self.config, self.fingerprint, self.now)
         self.pools[role].append(replica)
         self.replicas.append(replica)
+        self.by_id[replica.worker_id] = replica
         return replica
 
     def _ready(self, replica: _Replica) -> None:
@@ -554,6 +693,7 @@ class _Simulation:
         self._mark(replica.role)
 
     def _mark(self, role: str) -> None:
+        self._rotation.pop(role, None)
         pool = self.pools[role]
         point = (self.now, sum(w.state == "ready" for w in pool), sum(w.state in ("starting", "ready") for w in pool))
         line = self.timeline[role]

@@ -116,7 +116,7 @@ def requests_from_bench(config, rate: float, vocab_size: int = 49152, tokenizer=
 def cmd_sim(args: argparse.Namespace) -> int:
     from pdserve.bench.api import BenchOutcome
     from pdserve.bench.config import BenchConfig
-    from pdserve.bench.metrics import SLO, goodput_rate, summarize
+    from pdserve.bench.metrics import SLO, goodput_rate
     from pdserve.bench.report import sweep_table, table
     from pdserve.bench.sim import simulate
 
@@ -135,7 +135,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         result = simulate(config, profile, requests)
         wall_s = time.perf_counter() - started
-        summary = summarize(result.records, result.duration_s, slo)
+        summary = result.summary(slo)
         outcome.runs.append({"rate": rate, "records": result.records, "summary": summary})
         sims.append(_sim_json(result, rate, wall_s))
         print(table(summary, f"simulated: {bench.dataset_name} @ {rate:g} req/s"))

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.bench.config import BenchConfig
 from pdserve.bench.latency_model import Profile, StepFeatures, StepModel, TransferModel, chunk_pairs
-from pdserve.bench.metrics import RequestRecord, Summary
+from pdserve.bench.metrics import SLO, RequestRecord, Summary
 from pdserve.bench.sim import SimConfig, SimRequest, _Simulation, simulate
 from pdserve.cluster.autoscale import AutoscalingConfig
 from pdserve.cluster.cli import main
@@ -175,3 +175,38 @@ def test_the_cli_names_the_config_key_it_refuses(tmp_path, capsys):
     cluster.write_text("pools:\n  decode: {replics: 2}\n")
     assert main(["sim", "--config", str(cluster), "--num-prompts", "2"]) == 2
     assert "replics" in capsys.readouterr().err
+
+
+def mixed_requests(n: int, rate: float, seed: int) -> list[SimRequest]:
+    """Random prompts, a quarter of them on one of two shared 256-token prefixes (prefix hits)."""
+    rng = random.Random(seed)
+    shared = [ids(rng, 256), ids(rng, 256)]
+    return [SimRequest(i, i / rate, (shared[i % 2] if i % 4 < 2 else []) + ids(rng, rng.randint(8, 400)),
+                       rng.randint(2, 60)) for i in range(n)]
+
+
+@pytest.mark.parametrize("pools", [(0, 3), (2, 3)], ids=["colocated", "disaggregated"])
+@pytest.mark.parametrize("policy", ["cache_aware", "least_loaded"])
+def test_fast_decode_steps_give_what_the_schedulers_steps_give(pools, policy):
+    # Few blocks and seats: preemptions, full batches with a queue, evictions of cached prefixes.
+    config = SimConfig(prefill_replicas=pools[0], decode_replicas=pools[1], policy=policy, num_kv_blocks=160,
+                       max_num_seqs=8)
+    requests = mixed_requests(200, 60.0, seed=9)
+    fast = run_checked(config, requests)
+    reference = run_checked(dataclasses.replace(config, fast_decode=False), requests)
+    assert [r.to_dict() for r in fast.records] == [r.to_dict() for r in reference.records]
+    assert fast.replicas == reference.replicas and fast.events == reference.events
+    assert fast.decisions == reference.decisions and fast.pools == reference.pools
+    assert sum(s.prefix_hits for s in fast.replicas) > 0 and sum(s.preemptions for s in fast.replicas) > 0
+
+
+def test_compact_records_give_the_summary_of_full_records():
+    config = SimConfig(prefill_replicas=1, decode_replicas=3, num_kv_blocks=512)
+    requests = mixed_requests(150, 40.0, seed=10)
+    full = simulate(config, PROFILE, requests)
+    compact = simulate(dataclasses.replace(config, compact_records=True), PROFILE, requests)
+    assert all(r.itl == () for r in compact.records)
+    slo = SLO(ttft_ms=200, tpot_ms=20)
+    expected, got = full.summary(slo).to_dict(), compact.summary(slo).to_dict()
+    assert got.pop("itl_ms") == pytest.approx(expected.pop("itl_ms"), rel=1e-12)
+    assert got == expected
