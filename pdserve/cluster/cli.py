@@ -6,6 +6,9 @@
     pdserve router --worker ADDR ...     the router alone, in front of running workers
     pdserve worker decode --port P       one decode worker alone
     pdserve bench --base-url URL         load-test any OpenAI-compatible server
+    pdserve profile -o profile.json      this machine's engine step and KV transfer times, fitted
+    pdserve sim --profile profile.json   simulate a cluster on a workload with those timings
+    pdserve plan --roofline h100-sxm ... the cheapest pool sizes meeting a workload's SLOs
     pdserve cascade calibrate ...        a cascade's threshold from a prompt set
 """
 
@@ -16,6 +19,7 @@ import logging
 import sys
 
 from pdserve.bench import cli as bench_cli
+from pdserve.bench import plan_cli, profile_cli, sim_cli
 from pdserve.cluster import cascade_cli, offline_cli, serve_cli
 from pdserve.configs import ConfigError
 
@@ -28,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.add_commands(sub)
     offline_cli.add_commands(sub)
     bench_cli.add_commands(sub)
+    sim_cli.add_commands(sub)
+    plan_cli.add_commands(sub)
+    profile_cli.add_commands(sub)
     cascade_cli.add_commands(sub)
     return parser
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ from pdserve.engine.loader import LoadedModel, load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput, RequestStatus
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
-from pdserve.engine.scheduler import CoreOutput, Scheduler
+from pdserve.engine.scheduler import CoreOutput, Scheduler, SchedulerOutput
 from pdserve.engine.spec_decode import SpeculativeConfig, make_proposer
 from pdserve.engine.tokenizer import IncrementalDetokenizer
 
@@ -135,6 +136,9 @@ class LLMEngine:
         self._text: dict[str, _TextState] = {}
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0}
         self._prefill_steps: deque[tuple[int, float]] = deque(maxlen=PREFILL_RATE_STEPS)  # (prompt tokens, seconds)
+        # Called after each step that ran with (its SchedulerOutput, the step's seconds, schedule to
+        # outputs); `pdserve profile` times steps through it. None: nothing is called.
+        self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
 
     def _linear_path(self, dtype: torch.dtype) -> str:
         plan = self.cpu_plan
@@ -265,6 +269,7 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        began = time.perf_counter()
         if self.proposer is not None:
             self.proposer.before_schedule(self.scheduler.running)
         sched = self.scheduler.schedule()
@@ -280,7 +285,10 @@ class LLMEngine:
         model_out = self.runner.execute(sched)
         if prompt >= PREFILL_RATE_MIN_TOKENS:
             self._prefill_steps.append((prompt, time.perf_counter() - start))
-        return self._process(self.scheduler.update(sched, model_out))
+        outputs = self._process(self.scheduler.update(sched, model_out))
+        if self.step_observer is not None:
+            self.step_observer(sched, time.perf_counter() - began)
+        return outputs
 
     def prefill_rate(self) -> float:
         """Prompt tokens per second of the last steps that computed prompts (their decodes included:

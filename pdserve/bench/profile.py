@@ -1,0 +1,456 @@
+"""`pdserve profile`: the real engine's step times and KV transfer times on this machine, fitted
+into the latency model of ``latency_model.py`` and written as a versioned JSON profile.
+
+A run, in order::
+
+    load the model, build an LLMEngine (prefix caching off: every prompt token is computed)
+    warm up (a few steps, discarded)
+    waves of requests (random token ids, greedy, ignore_eos, fixed max_tokens), each run to
+      completion, every step timed through ``LLMEngine.step_observer`` with its features:
+        prefill   one prompt per wave, chunks of 16 tokens .. the step budget, at context 0
+        context   prompts longer than the budget: chunked, the last chunk after 1-2 full budgets
+        decode    B prompts of C tokens then max_tokens decode steps: batch 1..64, context 32..2048
+        mixed     a decoding batch, then a prompt joins it (decodes and a prefill chunk in one step)
+      until the waves are done or ``max_seconds`` pass (the waves are interleaved by kind, so a
+      run cut short still covers each kind)
+    fit the step model (least squares, non-negative) on all steps; the same fit on 80% of them
+      predicts the other 20%: that error is the ``holdout_*`` figures of the profile's ``fit``
+    KV transfers: the engine's own KV cache shipped by each backend (grpc: to a real decode worker
+      server in this process over 127.0.0.1; local: in-process copies) for a few sizes; a fixed cost
+      plus a cost per byte fitted per backend
+
+The roofline (``roofline_profile``) needs no engine: a hardware description and a model shape.
+The engine is driven through its public API only (add_request, step, step_observer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import random
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+from pdserve.bench.latency_model import (
+    HARDWARE,
+    Profile,
+    StepFeatures,
+    StepModel,
+    TransferModel,
+    features_of,
+    fit_step_model,
+    kv_bytes_per_token,
+    roofline,
+)
+from pdserve.configs import ConfigError, doc
+from pdserve.engine.config import DEFAULT_MODEL, PRESETS
+
+QUICK_MODEL = "random:tiny"
+BLOCK_SIZE = 16  # the engine's default
+MEASURED_BACKENDS = ("grpc", "local")
+# Backends that exist and that this command cannot measure, with why.
+UNMEASURED_BACKENDS = {"torch": "needs two processes (a gloo/NCCL process group); see benchmarks/kv_transfer.py"}
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """What `pdserve profile` measures, and where it writes."""
+
+    model: str = doc("", f"model to measure, any spec the engine loads (default: {DEFAULT_MODEL}; "
+                         f"{QUICK_MODEL} with --quick)")
+    dtype: Literal["float32", "bfloat16", "float16"] = doc("float32", "weights, activations and KV-cache dtype")
+    threads: int | None = doc(None, "torch intra-op threads (default: torch's choice, one per core; 1 with "
+                                    "--quick, which then shrugs off a busy machine)")
+    output: str = doc("profile.json", "where to write the profile (JSON)")
+    quick: bool = doc(False, f"a small plan on {QUICK_MODEL} with a 256-token step budget (seconds; for tests)")
+    max_seconds: float = doc(180.0, "stop starting new waves of requests after this many seconds of measuring "
+                                    "steps (the plan is interleaved by kind, so a shorter run still covers each)")
+    max_num_batched_tokens: int | None = doc(None, "the engine's step budget (default: 2048; 256 with --quick)")
+    transfer_backends: str = doc(",".join(MEASURED_BACKENDS), "KV transfer backends to measure, comma-separated "
+                                 f"({', '.join(MEASURED_BACKENDS)}; empty: none)")
+    roofline: str = doc("", "write a modelled (roofline) profile for this hardware instead of measuring: "
+                            + ", ".join(HARDWARE) + " (with --shape)")
+    shape: str = doc("", "--roofline: the model shape, a preset: " + ", ".join(PRESETS))
+    plot: str = doc("", "also write a PNG of predicted against measured step times here")
+    seed: int = doc(0, "seed of the random prompts and of the hold-out split")
+
+    def __post_init__(self) -> None:
+        if self.roofline and self.roofline not in HARDWARE:
+            raise ConfigError(f"--roofline: unknown hardware {self.roofline!r}; one of {list(HARDWARE)}")
+        if self.roofline and self.shape not in PRESETS:
+            what = f"--shape: unknown preset {self.shape!r}" if self.shape else "--roofline needs --shape PRESET"
+            raise ConfigError(f"{what}; one of {list(PRESETS)}")
+        if self.shape and not self.roofline:
+            raise ConfigError("--shape is for a modelled profile: give --roofline HW too")
+        unknown = [b for b in self.backends if b not in MEASURED_BACKENDS and b not in UNMEASURED_BACKENDS]
+        if unknown:
+            raise ConfigError(f"--transfer-backends: unknown {unknown}; known: "
+                              f"{sorted([*MEASURED_BACKENDS, *UNMEASURED_BACKENDS])}")
+        if self.max_seconds <= 0:
+            raise ConfigError(f"--max-seconds must be positive, got {self.max_seconds}")
+
+    @property
+    def backends(self) -> list[str]:
+        return [b.strip() for b in self.transfer_backends.split(",") if b.strip()]
+
+    @property
+    def model_spec(self) -> str:
+        return self.model or (QUICK_MODEL if self.quick else DEFAULT_MODEL)
+
+    @property
+    def num_threads(self) -> int | None:
+        return self.threads or (1 if self.quick else None)
+
+    @property
+    def budget(self) -> int:
+        return self.max_num_batched_tokens or (256 if self.quick else 2048)
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Wave:
+    """Requests added together and run to completion; ``late`` ones join once the first are all
+    decoding (each step then holds their decodes and a chunk of a late prompt)."""
+
+    kind: str  # prefill | context | decode | mixed | warmup
+    prompts: tuple[int, ...]  # prompt lengths
+    max_tokens: int
+    late: tuple[int, ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.prompts) + sum(self.late) + self.max_tokens * (len(self.prompts) + len(self.late))
+
+
+def step_plan(budget: int, max_len: int, quick: bool = False) -> list[Wave]:
+    """The waves of a run (warm-up first), interleaved by kind; none longer than ``max_len``."""
+    sizes = sorted({*(16 << i for i in range(12) if 16 << i < budget), budget * 3 // 4, budget})
+    prefill = [Wave("prefill", (n,), 1) for n in sizes]
+    tails = (16, 128) if quick else (16, 256, budget // 2)
+    context = [Wave("context", (budget + c,), 1) for c in tails]
+    context += [Wave("context", (2 * budget + c,), 1) for c in ((16,) if quick else (16, budget // 2))]
+    contexts = (32, 128) if quick else (32, 256, 1024, 2048)
+    decode = [Wave("decode", (c,) * b, 16) for c in contexts for b in (1, 4, 16, 64) if b * c <= 8192]
+    mixed = [Wave("mixed", (256,) * 8, 8, (budget // 4,)), Wave("mixed", (32,) * 32, 8, (budget // 2,))]
+    if not quick:
+        mixed.append(Wave("mixed", (1024,) * 4, 8, (budget + 256,)))
+    kinds = [prefill, decode, context, mixed]
+    waves = [Wave("warmup", (64, 64), 4), Wave("warmup", (budget,), 2)]
+    for i in range(max(map(len, kinds))):
+        waves += [k[i] for k in kinds if i < len(k)]
+    return [w for w in waves if max(w.prompts + w.late) + w.max_tokens < max_len]
+
+
+# ---- measuring steps ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepSample:
+    features: StepFeatures
+    seconds: float
+    kind: str  # the wave's
+
+    @property
+    def shape(self) -> str:
+        """prefill, decode or mixed: what the step computed, whatever the wave meant it to."""
+        f = self.features
+        return "mixed" if f.prefill_tokens and f.decode_seqs else "prefill" if f.prefill_tokens else "decode"
+
+
+class StepDriver:
+    """Runs waves of requests through an engine, recording each step's features and time."""
+
+    def __init__(self, engine, seed: int = 0):
+        self.engine = engine
+        self.rng = random.Random(seed)
+        self.samples: list[StepSample] = []
+        self._kind = ""
+        self._next_id = 0
+
+    def _observe(self, sched, seconds: float) -> None:
+        self.samples.append(StepSample(features_of(sched.scheduled), seconds, self._kind))
+
+    def _add(self, prompt_len: int, max_tokens: int) -> None:
+        from pdserve.engine.sampling_params import SamplingParams
+
+        vocab = self.engine.model_config.vocab_size
+        prompt = [self.rng.randrange(100, vocab - 1) for _ in range(prompt_len)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.engine.add_request(f"profile-{self._next_id}", prompt, params)
+        self._next_id += 1
+
+    def _step_until_all_decode(self) -> None:
+        """Step until a step computes no prompt token: every request of the wave is decoding."""
+        first = len(self.samples)
+        while self.engine.has_unfinished():
+            self.engine.step()
+            if len(self.samples) > first and not self.samples[-1].features.prefill_tokens:
+                return
+
+    def run(self, wave: Wave) -> None:
+        engine = self.engine
+        self._kind = wave.kind
+        engine.step_observer = self._observe
+        try:
+            for n in wave.prompts:
+                self._add(n, wave.max_tokens)
+            if wave.late:
+                self._step_until_all_decode()
+                for n in wave.late:
+                    self._add(n, wave.max_tokens)
+            while engine.has_unfinished():
+                engine.step()
+        finally:
+            engine.step_observer = None
+
+
+def measure_steps(engine, waves: list[Wave], max_seconds: float, seed: int = 0,
+                  progress: bool = True) -> list[StepSample]:
+    """Every step of ``waves`` but the warm-up's, starting no wave after ``max_seconds``."""
+    from tqdm import tqdm
+
+    driver = StepDriver(engine, seed)
+    start = time.perf_counter()
+    with tqdm(total=len(waves), desc="profiling engine steps", unit="wave", disable=not progress) as bar:
+        for wave in waves:
+            if wave.kind != "warmup" and time.perf_counter() - start > max_seconds:
+                break
+            driver.run(wave)
+            bar.set_postfix(steps=len(driver.samples), kind=wave.kind)
+            bar.update()
+    return [s for s in driver.samples if s.kind != "warmup"]
+
+
+def fit_with_holdout(samples: list[StepSample], seed: int = 0) -> tuple[StepModel, dict]:
+    """The model fitted on every sample, with its statistics, and those of the same fit on 80% of
+    the samples predicting the other 20% (``holdout_*``)."""
+    import numpy as np
+
+    pairs = [(s.features, s.seconds) for s in samples]
+    model, stats = fit_step_model(pairs)
+    shuffled = random.Random(seed).sample(pairs, len(pairs))
+    held, train = shuffled[::5], [p for i, p in enumerate(shuffled) if i % 5]
+    if len(held) >= 2 and len(train) >= 5:
+        partial, _ = fit_step_model(train)
+        pct = np.array([abs(partial.step_s(f) - t) / max(t, 1e-9) * 100 for f, t in held])
+        stats.update(holdout_samples=len(held), holdout_mean_abs_pct_error=float(pct.mean()),
+                     holdout_max_abs_pct_error=float(pct.max()))
+    stats["by_shape"] = {k: sum(s.shape == k for s in samples) for k in ("prefill", "decode", "mixed")}
+    return model, stats
+
+
+# ---- measuring KV transfers --------------------------------------------------------------------
+
+
+def _layers(engine, blocks: int) -> list[tuple]:
+    """The payload: each layer's keys and values of the first ``blocks`` blocks of the engine's cache
+    (the prefill worker's snapshot of a prompt's blocks)."""
+    cache = engine.runner.kv_cache
+    return [(cache[i, 0, :blocks].clone(), cache[i, 1, :blocks].clone()) for i in range(cache.shape[0])]
+
+
+def _send(session, layers) -> None:
+    for i, (k, v) in enumerate(layers):
+        session.send_layer(i, 0, k, v)
+    session.commit()
+
+
+async def _grpc_transfers(engine, sizes: list[int], reps: int) -> list[tuple[int, float]]:
+    """Ship each size ``reps`` times to a real decode worker server in this process (127.0.0.1),
+    sent from a thread as the prefill worker's export thread sends; timed from open to the answer."""
+    import grpc
+
+    from pdserve.decode_worker.server import DecodeServicer
+    from pdserve.kvtransfer.base import KVLayout
+    from pdserve.kvtransfer.grpc_backend import GrpcSender
+    from pdserve.proto.v1 import worker_pb2 as pb
+    from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
+    from pdserve.worker.config import WorkerConfig
+    from pdserve.worker.server import WorkerServer
+
+    loop = asyncio.get_running_loop()
+    server = WorkerServer(engine, WorkerConfig(port=0), DecodeServicer)
+    await server.start()
+    sender, points = GrpcSender(loop), []
+    greedy = pb.SamplingParams(temperature=0, top_p=1, max_tokens=1, ignore_eos=True, repetition_penalty=1)
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.WorkerStub(channel)
+            for tokens in sizes:
+                layers = _layers(engine, -(-tokens // engine.block_size))
+                for rep in range(reps + 1):  # the first of each size warms the channel up
+                    rid = f"profile-kv-{tokens}-{rep}"
+                    res = await stub.Reserve(pb.ReserveRequest(request_id=rid, prompt_token_ids=[7] * tokens,
+                                                               sampling=greedy, lease_ms=60_000))
+                    start = time.perf_counter()
+                    session = sender.open(res, KVLayout.from_proto(res.layout), tokens)
+                    await loop.run_in_executor(None, _send, session, layers)
+                    ok, error = await asyncio.wrap_future(session.done)
+                    elapsed = time.perf_counter() - start
+                    await stub.Abort(pb.AbortRequest(request_ids=[rid]))
+                    if not ok:
+                        raise RuntimeError(f"grpc transfer of {tokens} tokens failed: {error}")
+                    if rep:
+                        points.append((session.sent_bytes, elapsed))
+    finally:
+        await server.stop(0)
+    return points
+
+
+def _local_transfers(engine, sizes: list[int], reps: int) -> list[tuple[int, float]]:
+    """In-process hand-over into a receiver's cache (the local backend)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pdserve.kvtransfer.base import KVLayout
+    from pdserve.kvtransfer.local import LocalHub, LocalSender
+    from pdserve.kvtransfer.receiver import KVReceiver
+
+    cfg, cache = engine.model_config, engine.runner.kv_cache
+    layout = KVLayout(engine.loaded.fingerprint, engine.config.dtype, engine.block_size, cfg.num_layers,
+                      cfg.num_kv_heads, cfg.head_dim)
+    points = []
+    for tokens in sizes:
+        blocks = -(-tokens // engine.block_size)
+        layers = _layers(engine, blocks)
+        hub = LocalHub()
+        receiver = KVReceiver(torch.empty((cache.shape[0], 2, blocks, *cache.shape[3:]), dtype=cache.dtype), layout)
+        hub.register("local://profile", receiver)
+        for rep in range(reps + 1):
+            receiver.expect(f"x{rep}", list(range(blocks)), 0, tokens, 60.0)
+            start = time.perf_counter()
+            session = LocalSender(hub).open(SimpleNamespace(kv_address="local://profile", handle=f"x{rep}"),
+                                            layout, tokens)
+            _send(session, layers)
+            ok, error = session.done.result()
+            elapsed = time.perf_counter() - start
+            receiver.release(f"x{rep}")
+            if not ok:
+                raise RuntimeError(f"local transfer of {tokens} tokens failed: {error}")
+            if rep:
+                points.append((session.sent_bytes, elapsed))
+    return points
+
+
+def fit_transfer(points: list[tuple[int, float]]) -> TransferModel:
+    """seconds = overhead + bytes x s_per_byte, least squares, both kept non-negative."""
+    import numpy as np
+
+    x = np.array([b for b, _ in points], dtype=float)
+    y = np.array([t for _, t in points])
+    slope, intercept = np.polyfit(x, y, 1) if len(set(x)) > 1 else (float(y.mean() / x.mean()), 0.0)
+    if intercept < 0:
+        slope, intercept = float((x @ y) / (x @ x)), 0.0  # through the origin
+    if slope < 0:
+        slope, intercept = 0.0, float(y.mean())
+    return TransferModel(float(intercept), float(slope))
+
+
+def measure_transfers(engine, backends: list[str], sizes: list[int],
+                      reps: int = 3) -> tuple[dict[str, TransferModel], dict]:
+    """A TransferModel per measurable backend, and a note per backend about how (or why not)."""
+    models, notes = {}, {}
+    for backend in backends:
+        if backend in UNMEASURED_BACKENDS:
+            notes[backend] = "not measured: " + UNMEASURED_BACKENDS[backend]
+            continue
+        if backend == "grpc":
+            points = asyncio.run(_grpc_transfers(engine, sizes, reps))
+            notes[backend] = "to a decode worker server in this process over 127.0.0.1"
+        else:
+            points = _local_transfers(engine, sizes, reps)
+            notes[backend] = "in-process copies into a receiver's cache"
+        models[backend] = fit_transfer(points)
+        notes[backend] += f"; {len(points)} transfers of {min(sizes)}-{max(sizes)} tokens"
+    return models, notes
+
+
+# ---- what it ran on ----------------------------------------------------------------------------
+
+
+def hardware_info(engine) -> dict:
+    import torch
+
+    from pdserve.engine.cpu_isa import cpu_flags, describe_cpu
+
+    relevant = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+    info = {"cpu": describe_cpu().split(",")[0], "cpu_flags": relevant, "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "platform": platform.platform(),
+            "device": engine.config.device}
+    if engine.cpu_plan is not None:
+        info.update(isa=engine.cpu_plan.isa, linear_path=engine.cpu_plan.linear_path_for(engine.runner.dtype))
+    return info
+
+
+def model_info(engine) -> dict:
+    cfg, config = engine.model_config, engine.config
+    dtype_bytes = engine.runner.kv_cache.element_size()
+    return {"name": engine.model_name, "spec": config.model, **{k: getattr(cfg, k) for k in SHAPE_FIELDS},
+            "parameters": cfg.num_params, "dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
+            "kv_bytes_per_token": kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype_bytes),
+            "block_size": config.block_size, "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_model_len": engine.max_model_len}
+
+
+# ---- the profiles ------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def build_engine(config: ProfileConfig):
+    """The engine to measure, sized for the plan: (engine, its waves, the transfer sizes)."""
+    import torch
+
+    from pdserve.engine import EngineConfig, LLMEngine
+    from pdserve.engine.loader import load_model
+
+    loaded = load_model(config.model_spec, dtype=getattr(torch, config.dtype), progress=False, seed=config.seed)
+    max_len = loaded.config.max_position_embeddings
+    waves = step_plan(config.budget, max_len, config.quick)
+    sizes = transfer_sizes(config.quick, max_len)
+    tokens = max([w.tokens for w in waves] + sizes)
+    blocks = 2 * -(-tokens // BLOCK_SIZE) + 64  # the largest wave's (or transfer's) blocks, twice, and some
+    engine_config = EngineConfig(model=config.model_spec, dtype=config.dtype, num_threads=config.num_threads,
+                                 max_num_batched_tokens=config.budget, max_num_seqs=64, block_size=BLOCK_SIZE,
+                                 num_kv_blocks=blocks, enable_prefix_caching=False, load_progress=False,
+                                 seed=config.seed)
+    engine = LLMEngine(engine_config, loaded=loaded)
+    return engine, waves, sizes
+
+
+def transfer_sizes(quick: bool, max_len: int) -> list[int]:
+    return [n for n in ((256, 4096) if quick else (64, 512, 2048, 4096)) if n < max_len - 1]
+
+
+def measure(config: ProfileConfig, progress: bool = True) -> tuple[Profile, list[StepSample]]:
+    """Measure this machine: the profile, and the step samples it was fitted on."""
+    engine, waves, sizes = build_engine(config)
+    started = time.perf_counter()
+    samples = measure_steps(engine, waves, config.max_seconds, config.seed, progress)
+    step_seconds = time.perf_counter() - started
+    step, fit = fit_with_holdout(samples, config.seed)
+    transfer, notes = measure_transfers(engine, config.backends, sizes, reps=2 if config.quick else 3)
+    fit.update(measured_seconds=round(step_seconds, 1), transfer=notes,
+               note="steps timed from schedule to outputs (LLMEngine.step); holdout: the same fit on 80% "
+                    "of the steps, predicting the other 20%")
+    profile = Profile("measured", model_info(engine), hardware_info(engine), step, transfer, fit, _now())
+    return profile, samples
+
+
+def roofline_profile(config: ProfileConfig) -> Profile:
+    """A modelled profile: the roofline of ``config.roofline``'s hardware for ``config.shape``."""
+    import dataclasses
+
+    shape = dataclasses.asdict(PRESETS[config.shape])
+    profile = roofline(HARDWARE[config.roofline], shape, config.shape)
+    return dataclasses.replace(profile, created=_now())
