@@ -4,8 +4,8 @@
     python benchmarks/pd_goodput.py --num-prompts 8 --rates 0.05,0.1,0.2
 
 Colocated: two decode workers, each pinned to one core, prefilling their own prompts, the
-router routing least-loaded. Disaggregated: one prefill worker on one core, one decode worker
-on the other. Same model, same Poisson workload (prompts uniform in 512-2048 tokens, outputs in
+router routing with its default policy (cache_aware: least predicted seconds). Disaggregated:
+one prefill worker on one core, one decode worker on the other. Same model, same Poisson workload (prompts uniform in 512-2048 tokens, outputs in
 64-256) from the `pdserve bench` library, at increasing request rates.
 
 SLOs come from unloaded single-request figures measured in the same run, on one worker

@@ -81,8 +81,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.top < 1 or args.max_sim_requests < 1:
         raise ConfigError("--top and --max-sim-requests: must be at least 1")
     opts = options(args, bench.seed)
-    vocab = min(int(o.profile.model.get("vocab_size", 49152)) for o in opts)
-    requests = requests_from_bench(bench, bench.request_rate, vocab)
+    requests = requests_from_bench(bench, bench.request_rate)
     started = time.perf_counter()
     found = plan(requests, slo, opts, args.target, args.max_replicas, args.max_sim_requests)
     wall_s = time.perf_counter() - started

@@ -158,6 +158,7 @@ class SimRequest:
     arrival: float  # seconds from the start
     prompt: list[int]
     output_len: int
+    warmup: bool = False  # served like the rest, left out of the summary (the bench's warm-up requests)
 
 
 @dataclass
@@ -448,7 +449,8 @@ class _Simulation:
         if i + 1 < len(self.requests):
             self._at(self.requests[i + 1].arrival, self._arrive, i + 1)
         req = self.requests[i]
-        record = self.records[i] = RequestRecord(req.index, req.arrival, len(req.prompt), req.output_len)
+        record = self.records[i] = RequestRecord(req.index, req.arrival, len(req.prompt), req.output_len,
+                                                 warmup=req.warmup)
         if self.itl_runs is not None:
             record.itl = ()  # never appended to: the gaps go to itl_runs
         flow = _Flow(req, record, last=req.arrival)

@@ -72,44 +72,31 @@ def sim_config(args: argparse.Namespace, profile, seed: int = 0):
                                 autoscale_interval_s=args.autoscale_interval_s, seed=seed)
 
 
-def requests_from_bench(config, rate: float, vocab_size: int = 49152, tokenizer=None):
-    """The requests ``pdserve bench`` would send with ``config`` (a BenchConfig) at ``rate``: the same
-    seeded workload and arrival times. Token-id prompts need no tokenizer; a jsonl trace of text or
-    chat messages is tokenized with ``tokenizer`` (``load_tokenizer(config.tokenizer)`` when None)."""
-    from pdserve.bench import workloads
-    from pdserve.bench.runner import arrival_offsets
+def requests_from_bench(config, rate: float, tokenizer=None):
+    """The requests ``pdserve bench`` sends with ``config`` (a BenchConfig) at ``rate``: the runner's
+    own workload (its warm-up requests first, marked) at its own arrival times, so the same seed
+    gives the same prompts, lengths and times. ``tokenizer``: ``load_tokenizer(config.tokenizer)``
+    when None (the bench's vocabulary range for random ids, and text traces)."""
+    from pdserve.bench.runner import arrival_offsets, build_workload
     from pdserve.bench.sim import SimRequest
 
-    n, seed = config.num_prompts, config.seed
-    vocab = (min(100, vocab_size // 2), vocab_size - 64)  # above the special tokens (runner.vocab_range)
-    name = config.dataset_name
-    if name == "random":
-        items = workloads.random_workload(n, config.random_input_len, config.random_output_len,
-                                          config.random_range_ratio, vocab, seed)
-    elif name == "prefix":
-        items = workloads.prefix_workload(n, config.prefix_num, config.prefix_len, config.suffix_len,
-                                          config.random_output_len, vocab, seed)
-    elif name == "conversational":
-        items = workloads.conversational_workload(n, vocab, seed)
-    elif name == "jsonl":
-        items = workloads.jsonl_workload(config.dataset_path, n, seed)
-    else:
-        raise ConfigError(f"--dataset-name: {name!r} is not simulated (its turns are written from the model's "
-                          f"answers); use random, prefix, conversational or a jsonl trace")
-    offsets = arrival_offsets(len(items), rate, config.arrival, config.burstiness, seed)
+    if config.dataset_name == "chat":
+        raise ConfigError("--dataset-name: 'chat' is not simulated (its turns are written from the model's "
+                          "answers); use random, prefix, conversational or a jsonl trace")
+    if tokenizer is None:
+        from pdserve.engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(config.tokenizer)
+    items = build_workload(config, tokenizer)
+    kind = "gamma" if config.arrival == "poisson" and config.burstiness != 1.0 else config.arrival  # as the runner
+    offsets = arrival_offsets(len(items), rate, kind, config.burstiness, config.seed)
     out = []
     for i, (item, t) in enumerate(zip(items, offsets)):
         prompt = item.prompt
         if not isinstance(prompt, list):
-            if tokenizer is None:
-                from pdserve.engine.tokenizer import load_tokenizer
-
-                tokenizer = load_tokenizer(config.tokenizer)
             prompt = tokenizer.encode(prompt) if prompt is not None else tokenizer.encode_chat(item.messages)
-        output_len = item.output_len or config.random_output_len
-        if config.max_output_len:
-            output_len = min(output_len, config.max_output_len)
-        out.append(SimRequest(i, t, prompt, output_len))
+        out.append(SimRequest(i, t, prompt, item.output_len or config.random_output_len,
+                              warmup=i < config.warmup_requests))
     return out
 
 
@@ -131,7 +118,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     outcome = BenchOutcome(str(profile.model.get("name", "")))
     sims = []
     for rate in bench.rate_list() or [bench.request_rate]:
-        requests = requests_from_bench(bench, rate, int(profile.model.get("vocab_size", 49152)))
+        requests = requests_from_bench(bench, rate)
         started = time.perf_counter()
         result = simulate(config, profile, requests)
         wall_s = time.perf_counter() - started

@@ -210,3 +210,23 @@ def test_compact_records_give_the_summary_of_full_records():
     expected, got = full.summary(slo).to_dict(), compact.summary(slo).to_dict()
     assert got.pop("itl_ms") == pytest.approx(expected.pop("itl_ms"), rel=1e-12)
     assert got == expected
+
+
+@pytest.mark.parametrize("dataset", ["random", "prefix"])
+def test_the_simulated_requests_are_the_ones_the_bench_sends(dataset):
+    """The runner's own workload at its own arrival times (a gamma process when bursty, as the
+    runner reads vLLM's flags), its warm-up requests first and left out of the summary."""
+    from pdserve.bench.runner import arrival_offsets, build_workload
+    from pdserve.bench.sim_cli import requests_from_bench
+    from pdserve.engine.tokenizer import load_tokenizer
+
+    config = BenchConfig(dataset_name=dataset, num_prompts=12, warmup_requests=2, random_input_len=300,
+                         random_range_ratio=0.5, burstiness=0.5, seed=7, prefix_len=64, suffix_len=32)
+    tokenizer = load_tokenizer(config.tokenizer)
+    requests = requests_from_bench(config, 3.0, tokenizer)
+    items = build_workload(config, tokenizer)
+    assert [r.prompt for r in requests] == [i.prompt for i in items] and len(requests) == 14
+    assert [r.arrival for r in requests] == arrival_offsets(14, 3.0, "gamma", 0.5, 7)
+    assert [r.warmup for r in requests] == [True, True] + [False] * 12
+    result = simulate(SimConfig(decode_replicas=2), PROFILE, requests)
+    assert sum(not r.warmup for r in result.records) == 12 and result.summary(None).completed == 12

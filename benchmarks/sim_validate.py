@@ -1,0 +1,279 @@
+"""Validate `pdserve sim` against real runs: pd_goodput.py's experiment, run and simulated.
+
+    python benchmarks/sim_validate.py                    # about 12 minutes on 2 cores
+    python benchmarks/sim_validate.py --profile bench-results/sim_validate_profile.json \\
+        --slo-ttft-ms 35900 --slo-tpot-ms 93.5           # reuse a profile and fixed SLOs: about 8 minutes
+
+1. A latency profile of the engine as the workers run it (one thread, the same model and step
+   budget): measured here through the profile library (`pdserve profile --threads 1`), or --profile.
+2. SLOs as pd_goodput.py derives them (unloaded figures of one worker on one core), or fixed ones.
+3. For each mode (colocated: two decode workers; disaggregated: one prefill and one decode worker;
+   each pinned to one core) the real cluster of pd_goodput.py serves its Poisson workload at each
+   rate, through the bench library; the simulator serves the same requests (the bench's own
+   workload and arrival times: same seed, prompts, lengths, the warm-up request) on a SimConfig of
+   the same cluster (pools, the router's policy and cost model as pd_goodput's router runs them,
+   the workers' engine limits and KV cache, the grpc transfer model of the profile).
+4. A table per mode and rate: TTFT and TPOT p50/p90 and SLO attainment, measured, simulated and the
+   error; goodput (the highest rate with >= 90% attainment) measured against simulated. JSON of it
+   all in --result-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pd_goodput  # noqa: E402  (its cluster: start/stop/pin, the model, the unloaded SLO figures)
+
+from pdserve.bench.api import run_bench  # noqa: E402
+from pdserve.bench.config import BenchConfig  # noqa: E402
+from pdserve.bench.latency_model import Profile  # noqa: E402
+from pdserve.bench.metrics import SLO, Summary, goodput_rate  # noqa: E402
+from pdserve.bench.sim import SimConfig, SimRequest, simulate  # noqa: E402
+from pdserve.bench.sim_cli import requests_from_bench  # noqa: E402
+from pdserve.cluster.config import load_serve_config  # noqa: E402
+
+MODES = {"colocated": ["decode", "decode"], "disaggregated": ["prefill", "decode"]}
+# The workers' flags in pd_goodput.start, as a cluster file's engine section; its router gets only
+# start_router's --poll-interval-s 0.2 (and an admission limit the workload never reaches).
+WORKER_ENGINE = {"model": pd_goodput.MODEL, "kv_cache_memory_gb": 1.0, "num_threads": 1}
+ROUTER = {"poll_interval_s": 0.2}
+METRICS = [("TTFT p50 (ms)", "ttft_ms", "median"), ("TTFT p90 (ms)", "ttft_ms", "p90"),
+           ("TPOT p50 (ms)", "tpot_ms", "median"), ("TPOT p90 (ms)", "tpot_ms", "p90")]
+
+
+def cpu_flags_line() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.rstrip() for line in f if line.startswith("flags")), "flags: unknown")
+
+
+def get_profile(args) -> Profile:
+    """``--profile``, or one measured here as the workers run the engine: one thread, their model and budget."""
+    if args.profile:
+        return Profile.load(args.profile)
+    from pdserve.bench.profile import ProfileConfig, measure
+
+    engine = load_serve_config(None, {"engine": WORKER_ENGINE}).served()[0].engine
+    config = ProfileConfig(model=engine.model, dtype=engine.dtype, threads=engine.num_threads,
+                           max_seconds=args.profile_seconds, max_num_batched_tokens=engine.max_num_batched_tokens,
+                           transfer_backends="grpc", seed=args.seed)
+    profile, _ = measure(config, progress=False)
+    path = Path(args.result_dir) / "sim_validate_profile.json"
+    profile.save(path)
+    print(f"wrote {path}")
+    return profile
+
+
+def get_slo(args) -> tuple[SLO, dict | None]:
+    """Fixed SLOs from the flags, or pd_goodput's: 5x the unloaded TTFT of a 2048-token prompt, 2x the TPOT."""
+    if args.slo_ttft_ms and args.slo_tpot_ms:
+        return SLO(args.slo_ttft_ms, args.slo_tpot_ms), None
+    ttft0, tpot0 = pd_goodput.unloaded()
+    return SLO(ttft_ms=5 * ttft0, tpot_ms=2 * tpot0), {"ttft_ms": ttft0, "tpot_ms": tpot0}
+
+
+def workload(url: str, num_prompts: int, rate: float, seed: int) -> BenchConfig:
+    """pd_goodput.sweep's workload at one rate (its BenchConfig, field for field)."""
+    return BenchConfig(base_url=url, progress=False, dataset_name="random", random_input_len=1280,
+                       random_output_len=160, random_range_ratio=0.6, num_prompts=num_prompts, request_rate=rate,
+                       seed=seed, warmup_requests=1)
+
+
+def sim_config(roles: list[str], profile: Profile) -> SimConfig:
+    """pd_goodput's cluster as the simulator's: pools, engine limits and KV blocks of the workers' flags, the
+    router's policy, thresholds, poll interval and its own cost model (RouterConfig's, not the profile's), and
+    its recent routes kept until pushed out (a router without a state store keeps them so)."""
+    pools = {"prefill": {"replicas": roles.count("prefill")}, "decode": {"replicas": roles.count("decode")}}
+    serve = load_serve_config(None, {"engine": WORKER_ENGINE, "router": ROUTER, "pools": pools})
+    return SimConfig.from_serve(serve, profile, cost=serve.router.cost_model(), recent_routes_s=math.inf)
+
+
+def run_simulated(config: SimConfig, profile: Profile, requests: list[SimRequest], slo: SLO):
+    result = simulate(config, profile, requests)
+    return result.summary(slo), result.decisions, result.records
+
+
+def router_decisions(url: str) -> dict[str, int]:
+    """The router's prefill decisions so far (its /metrics counter), by outcome."""
+    import httpx
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    found = re.findall(r'^pdserve_router_prefill_decisions_total\{outcome="(\w+)"\} ([0-9.e+]+)$', text, re.M)
+    return {k: int(float(v)) for k, v in found}
+
+
+def run_real(roles: list[str], rates: list[float], slo: SLO, args) -> list[dict]:
+    """pd_goodput.sweep's runs, keeping each rate's config, summary and records (and the router's decisions)."""
+    workers, router, url = pd_goodput.start(roles)
+    runs = []
+    try:
+        for i, rate in enumerate(rates):
+            # pd_goodput's fresh seed per rate: prompts repeated across rates would be prefix-cache hits.
+            config = workload(url, args.num_prompts, rate, args.seed + 1000 * (i + 1))
+            before, started = router_decisions(url), time.perf_counter()
+            run = asyncio.run(run_bench(config, slo)).runs[0]
+            after = router_decisions(url)
+            runs.append({"config": config, "rate": rate, "summary": run["summary"], "records": run["records"],
+                         "seconds": time.perf_counter() - started,
+                         "decisions": {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}})
+            s = run["summary"]
+            print(f"  {'+'.join(roles)} @ {rate:g} req/s: {s.completed} done, {s.failed} failed, attainment "
+                  f"{100 * s.slo_attainment:.0f}%, {runs[-1]['seconds']:.0f} s", flush=True)
+    finally:
+        pd_goodput.stop(workers, router)
+    return runs
+
+
+def figures(s: Summary) -> dict[str, float]:
+    out = {label: getattr(s, key)[stat] for label, key, stat in METRICS}
+    out["SLO attainment (%)"] = 100 * s.slo_attainment
+    return out
+
+
+def error(measured: float, simulated: float, label: str) -> float:
+    """Relative error in %, or for attainment the difference in percentage points."""
+    if label.startswith("SLO"):
+        return simulated - measured
+    return 100 * (simulated - measured) / measured if measured else math.nan
+
+
+def compare(mode: str, real: dict, sim: Summary, decisions: dict, tokenizer_check: int) -> dict:
+    measured, simulated = figures(real["summary"]), figures(sim)
+    errors = {k: error(measured[k], simulated[k], k) for k in measured}
+    print(f"\n{mode} @ {real['rate']:g} req/s ({real['summary'].completed} requests measured, "
+          f"{real['seconds']:.0f} s; prefill decisions real {real['decisions'] or '-'}, simulated {decisions or '-'})")
+    print("| metric | measured | simulated | error |\n|---|---|---|---|")
+    for k in measured:
+        unit = "pp" if k.startswith("SLO") else "%"
+        print(f"| {k} | {measured[k]:.1f} | {simulated[k]:.1f} | {errors[k]:+.1f} {unit} |")
+    return {"mode": mode, "rate": real["rate"], "seconds": real["seconds"], "measured": measured,
+            "simulated": simulated, "errors": errors, "decisions": {"real": real["decisions"], "sim": decisions},
+            "prompt_length_mismatches": tokenizer_check,
+            "summaries": {"measured": real["summary"].to_dict(), "simulated": sim.to_dict()}}
+
+
+def per_request(measured, simulated) -> list[dict]:
+    """Each request's lengths, TTFT and TPOT (ms), measured and simulated: where an error comes from."""
+    sim = {r.index: r for r in simulated}
+
+    def ms(value):
+        return None if value is None else round(1e3 * value, 1)
+
+    return [{"index": r.index, "warmup": r.warmup, "input": r.input_tokens, "output": r.output_tokens,
+             "start_s": round(r.start, 2), "ttft_ms": [ms(r.ttft), ms(sim[r.index].ttft)],
+             "tpot_ms": [ms(r.tpot), ms(sim[r.index].tpot)]} for r in measured]
+
+
+def prompt_mismatches(requests: list[SimRequest], records) -> int:
+    """Requests whose prompt length the server reported differs from the simulated one (should be 0)."""
+    by_index = {r.index: r for r in records}
+    return sum(1 for q in requests if by_index[q.index].input_tokens != len(q.prompt))
+
+
+def validate_mode(mode: str, rates: list[float], slo: SLO, profile: Profile, tokenizer, args) -> dict:
+    roles = MODES[mode]
+    real_runs = run_real(roles, rates, slo, args)  # every real run first: the simulations then share no core
+    config = sim_config(roles, profile)
+    rows = []
+    for real in real_runs:
+        requests = requests_from_bench(real["config"], real["rate"], tokenizer)
+        summary, decisions, records = run_simulated(config, profile, requests, slo)
+        rows.append(compare(mode, real, summary, decisions, prompt_mismatches(requests, real["records"])))
+        rows[-1]["requests"] = per_request(real["records"], records)
+    attained = [(r["measured"]["SLO attainment (%)"] / 100, r["simulated"]["SLO attainment (%)"] / 100) for r in rows]
+    good_m = goodput_rate(rates, [a for a, _ in attained])
+    good_s = goodput_rate(rates, [b for _, b in attained])
+    err = 100 * (good_s - good_m) / good_m if good_m and good_s else None
+    print(f"\n{mode} goodput (highest rate with >= 90% attainment): measured {good_m}, simulated {good_s}"
+          + (f", error {err:+.0f}%" if err is not None else ""))
+    sim_cfg = {k: ("inf" if isinstance(v, float) and math.isinf(v) else v)
+               for k, v in dataclasses.asdict(config).items() if k != "cost"}
+    return {"rows": rows, "goodput": {"measured": good_m, "simulated": good_s, "error_pct": err},
+            "sim_config": sim_cfg, "cost_model": dataclasses.asdict(config.cost)}
+
+
+def simulated_unloaded(profile: Profile) -> dict:
+    """pd_goodput.unloaded's two requests, simulated on one decode worker: TTFT of 2048 tokens, TPOT at 512/128."""
+    config = sim_config(["decode"], profile)
+    ttft = simulate(config, profile, [SimRequest(0, 0.0, list(range(100, 2148)), 1)]).records[0].ttft
+    tpot = simulate(config, profile, [SimRequest(0, 0.0, list(range(100, 612)), 128)]).records[0].tpot
+    return {"ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * tpot}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="0.1,0.2,0.3", help="request rates, comma-separated (default: 0.1,0.2,0.3)")
+    p.add_argument("--num-prompts", type=int, default=8,
+                   help="measured requests per rate, after one warm-up request (default: 8)")
+    p.add_argument("--modes", default="colocated,disaggregated",
+                   help="which clusters: colocated (two decode workers), disaggregated (one prefill, one decode), "
+                        "comma-separated (default: both)")
+    p.add_argument("--profile", default=None,
+                   help="a latency profile (JSON) to simulate with, measured with --threads 1 on this machine "
+                        "(default: measure one first, written to --result-dir)")
+    p.add_argument("--profile-seconds", type=float, default=120.0,
+                   help="without --profile: the profile's --max-seconds of engine steps (default: 120)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="TTFT SLO in ms; with --slo-tpot-ms, instead of pd_goodput's unloaded measurement "
+                        "(default: 5x the unloaded TTFT of a 2048-token prompt)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="TPOT SLO in ms, with --slo-ttft-ms (default: 2x the unloaded TPOT)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="workload seed; rate i uses seed + 1000 (i + 1), as pd_goodput (default: 0)")
+    p.add_argument("--result-dir", default="bench-results",
+                   help="where sim_validate.json (and a measured profile) go (default: bench-results)")
+    args = p.parse_args()
+    unknown = sorted(set(args.modes.split(",")) - set(MODES))
+    if unknown:
+        p.error(f"--modes: {unknown} are not modes; modes: {list(MODES)}")
+    if (args.slo_ttft_ms is None) != (args.slo_tpot_ms is None):
+        p.error("--slo-ttft-ms and --slo-tpot-ms go together")
+    return args
+
+
+def main() -> None:
+    # SIGTERM unwinds like Ctrl-C, so the workers and routers this script started are stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    args = parse_args()
+    started = time.perf_counter()
+    rates = [float(x) for x in args.rates.split(",")]
+    Path(args.result_dir).mkdir(parents=True, exist_ok=True)
+    print(cpu_flags_line())
+    profile = get_profile(args)
+    from pdserve.bench.profile_cli import table
+    from pdserve.engine.tokenizer import load_tokenizer
+
+    print(table(profile))
+    slo, unloaded = get_slo(args)
+    sim_unloaded = simulated_unloaded(profile)
+    if unloaded:
+        print(f"unloaded (one worker, one core): TTFT of 2048 tokens {unloaded['ttft_ms']:.0f} ms (simulated "
+              f"{sim_unloaded['ttft_ms']:.0f}), TPOT {unloaded['tpot_ms']:.1f} ms "
+              f"(simulated {sim_unloaded['tpot_ms']:.1f})")
+    print(f"SLOs: TTFT <= {slo.ttft_ms:.0f} ms, TPOT <= {slo.tpot_ms:.1f} ms", flush=True)
+    tokenizer = load_tokenizer(BenchConfig(base_url="http://unused").tokenizer)
+    results = {mode: validate_mode(mode, rates, slo, profile, tokenizer, args) for mode in args.modes.split(",")}
+    elapsed = time.perf_counter() - started
+    print(f"\ntook {elapsed / 60:.1f} minutes")
+    path = Path(args.result_dir) / "sim_validate.json"
+    path.write_text(json.dumps({
+        "cpu_flags": cpu_flags_line(), "args": vars(args), "seconds": elapsed, "profile": profile.to_json(),
+        "slo": dataclasses.asdict(slo), "unloaded": {"measured": unloaded, "simulated": sim_unloaded},
+        "modes": results}, indent=1, default=str))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
