@@ -5,8 +5,9 @@
 
 Colocated: two decode workers, each pinned to one core, prefilling their own prompts, the
 router routing with its default policy (cache_aware: least predicted seconds). Disaggregated:
-one prefill worker on one core, one decode worker on the other. Same model, same Poisson workload (prompts uniform in 512-2048 tokens, outputs in
-64-256) from the `pdserve bench` library, at increasing request rates.
+one prefill worker on one core, one decode worker on the other. Same model, same Poisson
+workload (prompts uniform in 512-2048 tokens, outputs in 64-256) from the `pdserve bench`
+library, at increasing request rates.
 
 SLOs come from unloaded single-request figures measured in the same run, on one worker
 pinned to one core: TTFT <= 5x the unloaded TTFT of a 2048-token prompt, TPOT <= 2x the
