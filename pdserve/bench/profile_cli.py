@@ -84,7 +84,7 @@ def table(profile: Profile) -> str:
 
 def plot(samples: list[StepSample], profile: Profile, path: str) -> None:
     """Predicted against measured step time, one colour per step shape, log-log."""
-    from pdserve.bench.report import _pyplot
+    from pdserve.bench.report import _pyplot, save_figure
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 5))
@@ -99,9 +99,7 @@ def plot(samples: list[StepSample], profile: Profile, path: str) -> None:
            title=f"{profile.model['name']}: r2 {profile.fit.get('r2', float('nan')):.3f}")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def add_commands(sub) -> None:

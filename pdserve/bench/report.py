@@ -99,9 +99,7 @@ def plot_latency_cdfs(records: list[RequestRecord], path: Path, title: str) -> N
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction")
     fig.suptitle(f"{title}: latency CDFs (dotted: p50, p90, p99)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_timeline(records: list[RequestRecord], path: Path, title: str) -> None:
@@ -124,9 +122,7 @@ def plot_timeline(records: list[RequestRecord], path: Path, title: str) -> None:
     a2.legend(fontsize=8)
     a2.grid(alpha=0.3)
     fig.suptitle(f"{title}: throughput and latency over time", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_attainment(rows: list[dict], path: Path, target: float, goodput_rate: float | None, title: str) -> None:
@@ -144,9 +140,14 @@ def plot_attainment(rows: list[dict], path: Path, target: float, goodput_rate: f
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=10)
+    save_figure(fig, path)
+
+
+def save_figure(fig, path, dpi: int = 100) -> None:
+    """Lay the figure out, write it as a PNG and free it."""
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    fig.savefig(path, dpi=dpi)
+    _pyplot().close(fig)
 
 
 def _pyplot():

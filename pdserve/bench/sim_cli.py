@@ -175,12 +175,9 @@ def _finite(value):
 
 def plot_replicas(sims: list[dict], path: Path, title: str) -> None:
     """Each pool's replicas serving and asked for over time (the autoscaler's timeline), per rate."""
-    import matplotlib
+    from pdserve.bench.report import _pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.4))
+    fig, ax = _pyplot().subplots(figsize=(8, 3.4))
     for sim in sims:
         suffix = f" @ {sim['rate']:g} req/s" if len(sims) > 1 else ""
         for role, points in sim["pools"].items():
@@ -193,9 +190,7 @@ def plot_replicas(sims: list[dict], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def add_commands(sub) -> None:
