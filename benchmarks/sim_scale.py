@@ -25,6 +25,7 @@ import numpy as np
 from pdserve.bench.latency_model import HARDWARE, roofline
 from pdserve.bench.sim import SimConfig, SimRequest, simulate
 from pdserve.engine.config import PRESETS
+from pdserve.engine.cpu_isa import describe_cpu
 from pdserve.router.policy import POLICIES
 
 
@@ -91,16 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     print(f"| {args.replicas} | {args.requests} | {result.duration_s:.1f} | {wall:.1f} | "
           f"{args.requests / wall:.0f} | {peak_mib:.0f} |")
-    print(_cpu_flags())
+    print(describe_cpu())
     return 0 if summary.failed == 0 else 3
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.strip() for line in f if line.startswith("flags")), "flags: unknown")
-    except OSError:
-        return "flags: unknown (no /proc/cpuinfo)"
 
 
 if __name__ == "__main__":

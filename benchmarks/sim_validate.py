@@ -41,6 +41,7 @@ from pdserve.bench.metrics import SLO, Summary, goodput_rate  # noqa: E402
 from pdserve.bench.sim import SimConfig, SimRequest, simulate  # noqa: E402
 from pdserve.bench.sim_cli import requests_from_bench  # noqa: E402
 from pdserve.cluster.config import load_serve_config  # noqa: E402
+from pdserve.engine.cpu_isa import describe_cpu  # noqa: E402
 
 MODES = {"colocated": ["decode", "decode"], "disaggregated": ["prefill", "decode"]}
 # The workers' flags in pd_goodput.start, as a cluster file's engine section; its router gets only
@@ -49,11 +50,6 @@ WORKER_ENGINE = {"model": pd_goodput.MODEL, "kv_cache_memory_gb": 1.0, "num_thre
 ROUTER = {"poll_interval_s": 0.2}
 METRICS = [("TTFT p50 (ms)", "ttft_ms", "median"), ("TTFT p90 (ms)", "ttft_ms", "p90"),
            ("TPOT p50 (ms)", "tpot_ms", "median"), ("TPOT p90 (ms)", "tpot_ms", "p90")]
-
-
-def cpu_flags_line() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.rstrip() for line in f if line.startswith("flags")), "flags: unknown")
 
 
 def get_profile(args) -> Profile:
@@ -250,7 +246,7 @@ def main() -> None:
     started = time.perf_counter()
     rates = [float(x) for x in args.rates.split(",")]
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
-    print(cpu_flags_line())
+    print(describe_cpu())
     profile = get_profile(args)
     from pdserve.bench.profile_cli import table
     from pdserve.engine.tokenizer import load_tokenizer
@@ -269,7 +265,7 @@ def main() -> None:
     print(f"\ntook {elapsed / 60:.1f} minutes")
     path = Path(args.result_dir) / "sim_validate.json"
     path.write_text(json.dumps({
-        "cpu_flags": cpu_flags_line(), "args": vars(args), "seconds": elapsed, "profile": profile.to_json(),
+        "cpu_flags": describe_cpu(), "args": vars(args), "seconds": elapsed, "profile": profile.to_json(),
         "slo": dataclasses.asdict(slo), "unloaded": {"measured": unloaded, "simulated": sim_unloaded},
         "modes": results}, indent=1, default=str))
     print(f"wrote {path}")

@@ -79,5 +79,10 @@ class BenchConfig:
             if any(r <= 0 for r in rates):
                 bad("rates", "rates must be positive")
 
+    def arrival_kind(self) -> str:
+        """The process the arrivals follow: a Poisson rate with a burstiness is a gamma process (vLLM's
+        reading of its flags)."""
+        return "gamma" if self.arrival == "poisson" and self.burstiness != 1.0 else self.arrival
+
     def rate_list(self) -> list[float]:
         return [float(x) for x in self.rates.split(",") if x.strip()]

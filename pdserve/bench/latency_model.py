@@ -49,10 +49,9 @@ class StepFeatures:
 def chunk_pairs(context_len: int, query_len: int, window: int = 0) -> int:
     """Query-key pairs of a causal chunk: query i (0-based) at position context_len + i sees
     context_len + i + 1 keys, or ``window`` of them at most."""
-    pairs = query_len * context_len + query_len * (query_len + 1) // 2
     if window:
-        pairs = sum(min(context_len + i + 1, window) for i in range(query_len))
-    return pairs
+        return sum(min(context_len + i + 1, window) for i in range(query_len))
+    return query_len * context_len + query_len * (query_len + 1) // 2
 
 
 def features_of(scheduled: Iterable) -> StepFeatures:

@@ -73,8 +73,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if bench.request_rate == float("inf"):
         raise ConfigError("--request-rate: a plan needs the workload's arrival rate (requests per second)")
     slo = SLO.parse(args.goodput)
-    if slo is None:
-        raise ConfigError("--goodput: a plan needs SLOs to meet, e.g. --goodput ttft:500 tpot:50")
     if args.peak_rate is not None and args.peak_rate < bench.request_rate:
         raise ConfigError(f"--peak-rate: must be at least --request-rate ({bench.request_rate:g}), got "
                           f"{args.peak_rate:g}")

@@ -42,7 +42,6 @@ from pdserve.bench.latency_model import (
     TransferModel,
     features_of,
     fit_step_model,
-    kv_bytes_per_token,
     roofline,
 )
 from pdserve.configs import ConfigError, doc
@@ -395,7 +394,7 @@ def model_info(engine) -> dict:
     dtype_bytes = engine.runner.kv_cache.element_size()
     return {"name": engine.model_name, "spec": config.model, **{k: getattr(cfg, k) for k in SHAPE_FIELDS},
             "parameters": cfg.num_params, "dtype": config.dtype, "kv_cache_dtype": config.kv_cache_dtype,
-            "kv_bytes_per_token": kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype_bytes),
+            "kv_bytes_per_token": cfg.kv_bytes_per_token(dtype_bytes),
             "block_size": config.block_size, "max_num_batched_tokens": config.max_num_batched_tokens,
             "max_model_len": engine.max_model_len}
 

@@ -124,8 +124,7 @@ class Runner:
         c = self.config
         chat = c.dataset_name == "chat"
         requests_per_item = c.chat_turns if chat else 1
-        kind = "gamma" if c.arrival == "poisson" and c.burstiness != 1.0 else c.arrival  # vLLM's reading
-        offsets = arrival_offsets(len(items), rate, kind, c.burstiness, c.seed)
+        offsets = arrival_offsets(len(items), rate, c.arrival_kind(), c.burstiness, c.seed)
         limit = asyncio.Semaphore(c.max_concurrency) if c.max_concurrency else None
         total = len(items) * requests_per_item
         self._bar = tqdm(total=total, desc=f"bench {c.dataset_name} @ {rate:g} req/s", unit="req",

@@ -256,10 +256,7 @@ class _Replica:
             self._load = self._snapshot
         w = self._load
         if w is self._snapshot or w.inflight != self.inflight or w.inflight_tokens != self.inflight_tokens:
-            s = self._snapshot
-            w = self._load = WorkerLoad(self.worker_id, self.inflight, s.num_running, s.num_waiting, s.kv_usage,
-                                        s.waiting_prompt_tokens, self.inflight_tokens, s.generation_tokens_per_s,
-                                        s.prefill_tokens_per_s, s.free_kv_tokens)
+            w = self._load = self._snapshot._replace(inflight=self.inflight, inflight_tokens=self.inflight_tokens)
         return w
 
     def _poll(self, now: float) -> WorkerLoad:
@@ -372,7 +369,6 @@ class _Flow:
     record: RequestRecord
     keys: list[int] = field(default_factory=list)  # its prefix-index keys (empty: not hashed)
     decode: _Replica | None = None
-    prefill: _Replica | None = None
     uncached: int = 0  # prompt tokens the decode worker lacks (remote: what the transfer ships)
     counted: int = 0  # tokens added to the decode worker's inflight_tokens until the first token
     generating: bool = False  # the decode worker's Generate is under way (counted in its inflight)
@@ -539,7 +535,6 @@ class _Simulation:
             decode.scheduler.finish_remote_kv(request.request_id, False)
             self._kick(decode)
             return
-        flow.prefill = prefill
         prefill.inflight += 1
         prefill.inflight_tokens += route.prompt_tokens
         first = self._request(flow)
@@ -661,6 +656,10 @@ class _Simulation:
 
     # ---- replicas and autoscaling --------------------------------------------------------------
 
+    def _asked(self, role: str) -> list[_Replica]:
+        """The pool's replicas serving or starting: what the autoscaler has asked for."""
+        return [w for w in self.pools[role] if w.state in ("starting", "ready")]
+
     def _routable(self, role: str) -> list[_Replica]:
         """The pool's replicas in rotation (kept until a replica's state changes: ``_mark``)."""
         rotation = self._rotation.get(role)
@@ -697,7 +696,7 @@ class _Simulation:
     def _mark(self, role: str) -> None:
         self._rotation.pop(role, None)
         pool = self.pools[role]
-        point = (self.now, sum(w.state == "ready" for w in pool), sum(w.state in ("starting", "ready") for w in pool))
+        point = (self.now, sum(w.state == "ready" for w in pool), len(self._asked(role)))
         line = self.timeline[role]
         if line and line[-1][0] == self.now:
             line[-1] = point
@@ -714,7 +713,7 @@ class _Simulation:
 
     def _signals(self, role: str) -> PoolSignals:
         """The pool's signals, as cluster/ray_app.py builds them from what its replicas report."""
-        asked = [w for w in self.pools[role] if w.state in ("starting", "ready")]
+        asked = self._asked(role)
         ready = [w for w in asked if w.state == "ready"]
         queued = running = 0
         usage = 0.0
@@ -733,7 +732,7 @@ class _Simulation:
                            waiting if not ready else 0)
 
     def _resize(self, role: str, desired: int) -> None:
-        asked = [w for w in self.pools[role] if w.state in ("starting", "ready")]
+        asked = self._asked(role)
         for _ in range(desired - len(asked)):
             self._at(self.now + self.config.startup_s, self._ready, self._add_replica(role))
         for w in sorted(asked, key=lambda w: (w.state == "ready", -w.stats.started))[:max(len(asked) - desired, 0)]:

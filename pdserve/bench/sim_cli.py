@@ -88,8 +88,7 @@ def requests_from_bench(config, rate: float, tokenizer=None):
 
         tokenizer = load_tokenizer(config.tokenizer)
     items = build_workload(config, tokenizer)
-    kind = "gamma" if config.arrival == "poisson" and config.burstiness != 1.0 else config.arrival  # as the runner
-    offsets = arrival_offsets(len(items), rate, kind, config.burstiness, config.seed)
+    offsets = arrival_offsets(len(items), rate, config.arrival_kind(), config.burstiness, config.seed)
     out = []
     for i, (item, t) in enumerate(zip(items, offsets)):
         prompt = item.prompt
