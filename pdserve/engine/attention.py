@@ -194,19 +194,18 @@ class TorchPagedAttention:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """The torch path, with decode attention in a C kernel that reads the cache in place.
+    """The torch path, with attention (decode and prefill) and the KV write in C kernels that
+    read and write the cache in place.
 
-    Falls back to the torch decode when the kernel cannot be built or the dtype is not float32.
+    Falls back to torch where the kernels cannot be built or do not take the dtype or shape.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
-        from pdserve.engine.cpu_kernels import MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_HEADS, load_kernels
+        from pdserve.engine.cpu_kernels import load_kernels
 
-        fits = num_heads <= MAX_HEADS and head_dim <= MAX_HEAD_DIM
-        self.kernels = load_kernels() if fits else None
-        self.max_block_size = MAX_BLOCK_SIZE
-        self._prefill_fits: dict[int, bool] = {}  # block size -> whether the prefill kernel takes the shape
+        self.kernels = load_kernels()
+        self._fits_cache: dict[int, bool] = {}  # block size -> whether the attention kernels take the shape
 
     def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         from pdserve.engine.cpu_kernels import rows_of_heads, usable, write_kv
@@ -217,13 +216,17 @@ class CpuPagedAttention(TorchPagedAttention):
             super().write(k, v, k_cache, v_cache, meta)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if (self.kernels is None or q.dtype != torch.float32 or v_cache.shape[2] > self.max_block_size
-                or meta.window):  # the kernel reads whole contexts: a window goes through the masked torch path
-            return super().decode(q, k_cache, v_cache, meta)
-        from pdserve.engine.cpu_kernels import paged_decode
+        """The C kernel over the cache in place (windowed layers too); the torch path where the
+        kernel does not take the shape."""
+        from pdserve.engine.cpu_kernels import paged_decode, usable
 
-        return paged_decode(self.kernels, q, k_cache, v_cache, meta.decode_block_ids, meta.decode_starts,
-                            meta.decode_lens, self.scale)
+        if (self.kernels is not None and q.dtype == torch.float32 and usable(k_cache, v_cache)
+                and self._fits(v_cache.shape[2])):
+            out = paged_decode(self.kernels, q, k_cache, v_cache, meta.decode_block_ids, meta.decode_starts,
+                               meta.decode_lens, meta.window, self.scale)
+            if out is not None:
+                return out
+        return super().decode(q, k_cache, v_cache, meta)
 
     def prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
         """The C kernel over the cache in place (chunked, prefix-hit and windowed chunks alike: no
@@ -238,10 +241,10 @@ class CpuPagedAttention(TorchPagedAttention):
         return super().prefill(q, k, v, k_cache, v_cache, chunk)
 
     def _fits(self, block_size: int) -> bool:
-        if block_size not in self._prefill_fits:
-            self._prefill_fits[block_size] = bool(self.kernels.paged_prefill_f32_fits(
+        if block_size not in self._fits_cache:
+            self._fits_cache[block_size] = bool(self.kernels.paged_attention_f32_fits(
                 self.num_heads, self.num_kv_heads, self.head_dim, block_size))
-        return self._prefill_fits[block_size]
+        return self._fits_cache[block_size]
 
 
 def _gather_values(v_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:

@@ -22,8 +22,6 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-# The kernel's fixed-size scratch (MAX_H, MAX_D, MAX_BS in the source).
-MAX_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 128, 256, 64
 
 
 def _cpu_flags() -> list[str]:
@@ -76,7 +74,7 @@ def load_kernels() -> ctypes.CDLL | None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     f32 = ctypes.c_float
     signatures = {
-        "paged_decode_f32": [ptr] * 7 + [i64] * 5 + [f32],
+        "paged_decode_f32": [ptr] * 7 + [i64] * 6 + [f32],
         "rms_norm_f32": [ptr] * 5 + [i64] * 2 + [f32],
         "silu_mul_f32": [ptr] * 2 + [i64] * 2,
         "write_kv_f32": [ptr] * 6 + [i64] * 6,
@@ -85,35 +83,31 @@ def load_kernels() -> ctypes.CDLL | None:
         "gemv_bf16_f32": [ptr] * 3 + [i64] * 2,
         "gemm_rows_bf16_f32": [ptr] * 3 + [i64] * 3,
         "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32],
-        "paged_prefill_f32_fits": [i64] * 4,
+        "paged_attention_f32_fits": [i64] * 4,
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
-    lib.paged_prefill_f32.restype = lib.paged_prefill_f32_fits.restype = ctypes.c_int
+    for name in ("paged_decode_f32", "paged_prefill_f32", "paged_attention_f32_fits"):
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
-def paged_decode(
-    lib: ctypes.CDLL,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    blocks: torch.Tensor,
-    starts: torch.Tensor,
-    lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Decode attention of ``n`` one-token requests (see csrc/paged_attention.c for shapes)."""
+def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 blocks: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, window: int,
+                 scale: float) -> torch.Tensor | None:
+    """Decode attention of ``n`` one-token requests (``q`` ``[n, H, D]``; the block table as
+    ``AttentionMetadata`` has it, ``attention.windowed``'s when ``window`` is set). None when the
+    kernel could not allocate its scratch (the caller computes it another way)."""
     q = q.contiguous()
     n, h, d = q.shape
     _, kvh, bs, _ = v_cache.shape
     out = torch.empty_like(q)
-    lib.paged_decode_f32(
+    failed = lib.paged_decode_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), starts.data_ptr(),
-        lens.data_ptr(), out.data_ptr(), n, h, kvh, d, bs, scale,
+        lens.data_ptr(), out.data_ptr(), n, window, h, kvh, d, bs, scale,
     )
-    return out
+    return None if failed else out
 
 
 def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -4,20 +4,12 @@
  *
  * Cache layout, per layer and KV head: a key block is stored transposed, [D][BS] (so one
  * query's scores against a block are D broadcast-FMAs over BS lanes, with no horizontal
- * sums), a value block as [BS][D].
+ * sums), a value block as [BS][D]: k is [num_blocks, KVH, D, BS], v is [num_blocks, KVH, BS, D].
  *
- * Paged decode attention: one query token per request. Reads each request's K and V blocks
- * once, straight from the cache, with an online softmax per block (the torch path gathers the
- * blocks into a new tensor first, then reads that copy: three passes over the KV instead of one).
- *
- *   q        [n, H, D]                  query of each request (after RoPE)
- *   k        [num_blocks, KVH, D, BS]   the layer's keys (transposed blocks)
- *   v        [num_blocks, KVH, BS, D]   the layer's values
- *   blocks   [sum of blocks per request] each request's block ids, request after request
- *   starts   [n + 1]                    request r owns blocks[starts[r] .. starts[r + 1])
- *   lens     [n]                        context length of request r (its query included)
- *   out      [n, H, D]
- * The H query heads share KVH key/value heads in groups of G = H / KVH.
+ * The attention kernels (paged prefill and paged decode) read the cache in place, with an online
+ * softmax: torch's path gathers the blocks into a new tensor first, then reads that copy (three
+ * passes over the KV instead of one). Their shapes and tiles are described above
+ * paged_prefill_f32 and paged_decode_f32.
  */
 #include <float.h>
 #include <math.h>
@@ -26,98 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_H 128
 #define MAX_D 256
-#define MAX_BS 64
-
-/* s[g][t] = q[g] . k[:, t] for every slot t of one block (kt is [D][BS]). */
-static inline void block_scores(const float *kt, const float *q, float s[][MAX_BS], int64_t G, int64_t D,
-                                const int64_t BS) {
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t t = 0; t < BS; t++) s[g][t] = 0.0f;
-    for (int64_t d = 0; d < D; d++) {
-        const float *row = kt + d * BS;
-        for (int64_t g = 0; g < G; g++) {
-            const float qd = q[g * D + d];
-#pragma omp simd
-            for (int64_t t = 0; t < BS; t++) s[g][t] += qd * row[t];
-        }
-    }
-}
-
-/* Request r, KV heads [h0, h1) (query heads [h0 * G, h1 * G)), over all its blocks. */
-static void attend(const float *q, const float *k, const float *v, const int64_t *blocks, int64_t begin,
-                   int64_t end, int64_t len, float *out, int64_t h0, int64_t h1, int64_t G, int64_t KVH,
-                   int64_t D, int64_t BS, float scale) {
-    float acc[MAX_H][MAX_D];
-    float m[MAX_H], l[MAX_H], s[MAX_H][MAX_BS], p[MAX_BS];
-    const int64_t heads = (h1 - h0) * G;
-    const float *qr = q + h0 * G * D;
-    for (int64_t j = 0; j < heads; j++) {
-        m[j] = -FLT_MAX; /* finite: built with -ffast-math, which assumes no infinities */
-        l[j] = 0.0f;
-        memset(acc[j], 0, sizeof(float) * D);
-    }
-    for (int64_t i = begin; i < end; i++) {
-        const int64_t first = (i - begin) * BS;
-        const int64_t valid = len - first < BS ? len - first : BS;
-        for (int64_t h = h0; h < h1; h++) {
-            const float *kt = k + (blocks[i] * KVH + h) * D * BS;
-            float(*sh)[MAX_BS] = s + (h - h0) * G;
-            if (BS == 16)
-                block_scores(kt, qr + (h - h0) * G * D, sh, G, D, 16); /* constant trip count */
-            else
-                block_scores(kt, qr + (h - h0) * G * D, sh, G, D, BS);
-        }
-        for (int64_t j = 0; j < heads; j++) {
-            const float *vb = v + (blocks[i] * KVH + h0 + j / G) * BS * D;
-            float block_max = -FLT_MAX;
-            for (int64_t t = 0; t < valid; t++) {
-                s[j][t] *= scale;
-                block_max = s[j][t] > block_max ? s[j][t] : block_max;
-            }
-            /* Rescale what was accumulated when this block raises the running max. */
-            if (block_max > m[j]) {
-                const float c = expf(m[j] - block_max);
-                l[j] *= c;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) acc[j][d] *= c;
-                m[j] = block_max;
-            }
-#pragma omp simd
-            for (int64_t t = 0; t < valid; t++) p[t] = expf(s[j][t] - m[j]);
-            for (int64_t t = 0; t < valid; t++) {
-                const float *vt = vb + t * D;
-                l[j] += p[t];
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) acc[j][d] += p[t] * vt[d];
-            }
-        }
-    }
-    float *o = out + h0 * G * D;
-    for (int64_t j = 0; j < heads; j++) {
-        const float inv = 1.0f / l[j];
-        for (int64_t d = 0; d < D; d++) o[j * D + d] = acc[j][d] * inv;
-    }
-}
-
-void paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *blocks,
-                      const int64_t *starts, const int64_t *lens, float *out, int64_t n, int64_t H,
-                      int64_t KVH, int64_t D, int64_t BS, float scale) {
-    const int64_t G = H / KVH;
-    /* One task per request when there are enough of them: a block's keys (then values) for all
-     * KV heads are one contiguous run, which streams from memory far better than a run per
-     * head. With fewer requests than threads, each request's heads are split across tasks. */
-    const int64_t threads = omp_get_max_threads();
-    int64_t splits = n >= threads ? 1 : (threads + n - 1) / n;
-    splits = splits > KVH ? KVH : splits;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < n * splits; task++) {
-        const int64_t r = task / splits, part = task % splits;
-        attend(q + r * H * D, k, v, blocks, starts[r], starts[r + 1], lens[r], out + r * H * D,
-               part * KVH / splits, (part + 1) * KVH / splits, G, KVH, D, BS, scale);
-    }
-}
 
 /* h = x (+ residual); residual_out = h; out = h / rms(h) * w, row by row.
  * residual may be NULL (first layer: no residual yet); residual_out may alias residual. */
@@ -273,8 +174,9 @@ DEFINE_GEMM_ROWS(gemm_rows_bf16_f32, uint16_t, bf16_to_f32)
  *   q        rows q_stride floats apart, [H, D] each (a view into the fused qkv projection)
  *   blocks   the sequence's block ids, covering ctx + n positions
  *   out      rows out_stride floats apart, [H, D] each
- * paged_prefill_f32_fits says whether a shape is one this kernel takes. paged_prefill_f32 returns
- * -1 when a thread's scratch could not be allocated (out is then incomplete), else 0. */
+ * paged_attention_f32_fits says whether the attention kernels (this and paged_decode_f32) take
+ * a shape. paged_prefill_f32 returns -1 when a thread's scratch could not be allocated (out is
+ * then incomplete), else 0. */
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -299,9 +201,26 @@ static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 #define NV 4                   /* key vectors per register tile of the scores */
 #define MR (VW == 16 ? 4 : 3)  /* rows per register tile of the values */
 
-int paged_prefill_f32_fits(int64_t H, int64_t KVH, int64_t D, int64_t BS) {
-    return H % KVH == 0 && H / KVH <= MAXG && D <= MAX_D && D % (4 * VW) == 0 && BS % VW == 0 && BS <= KC &&
+int paged_attention_f32_fits(int64_t H, int64_t KVH, int64_t D, int64_t BS) {
+    return H % KVH == 0 && H / KVH <= MAXG && H <= ROWS && D <= MAX_D && D % (4 * VW) == 0 && BS % VW == 0 && BS <= KC &&
            KC % BS == 0;
+}
+
+/* s[i][u VW ..] = q[i] . key vectors col[u] for mr rows by nv vectors (constants when inlined
+ * with them: the tile then lives in registers) */
+static inline __attribute__((always_inline)) void score_tile(float *s, const float *q, const float *const *col,
+                                                             int64_t D, int64_t BS, const int mr, const int nv) {
+    vf acc[MRS][NV] = {{0}};
+    for (int64_t d = 0; d < D; d++) {
+        vf kv[NV];
+        for (int u = 0; u < nv; u++) kv[u] = vload(col[u] + d * BS);
+        for (int i = 0; i < mr; i++) {
+            const float qd = q[i * D + d];
+            for (int u = 0; u < nv; u++) acc[i][u] += kv[u] * qd;
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < nv; u++) vstore(s + i * KC + u * VW, acc[i][u]);
 }
 
 /* o[i][c .. c + 4 VW) += sum_j s[i][j] v_j[c ..] for mr rows (a constant when inlined with one) */
@@ -326,6 +245,79 @@ static inline __attribute__((always_inline)) void pv_tile(float *o, const float 
         for (int u = 0; u < 4; u++) vstore(o + i * D + c + u * VW, acc[i][u]);
 }
 
+/* One step of an online softmax: rows of query heads of KV head h (queries scaled, in qs;
+ * row r's running max m[r], sum l[r] and unnormalised output o[r]) over keys [k0, k0 + kn) of
+ * the sequence, each row within its own range [first[r], last[r]]. blocks[key / BS - b0] holds
+ * key's block (b0 > 0: a table that starts past the blocks nobody sees). s: scratch, KC per row. */
+static inline void attend_keys(const float *qs, float *o, float *m, float *l, const int64_t *first,
+                               const int64_t *last, int64_t rows, float *s, const float *k, const float *v,
+                               const int64_t *blocks, int64_t b0, int64_t k0, int64_t kn, int64_t h, int64_t KVH,
+                               int64_t D, int64_t BS) {
+    /* scores: s[r][j] = qs[r] . key(k0 + j): MRS rows by NV vectors of keys per tile; the key
+     * vectors come from the step's cache blocks ([D][BS] each) */
+    const int64_t ncols = ((kn + BS - 1) / BS) * BS / VW;
+    const float *col[KC / VW];
+    for (int64_t u = 0; u < ncols; u++) {
+        const int64_t key = k0 + u * VW;
+        col[u] = k + (blocks[key / BS - b0] * KVH + h) * D * BS + key % BS;
+    }
+    for (int64_t u0 = 0; u0 < ncols; u0 += NV) {
+        const int64_t nv = ncols - u0 < NV ? ncols - u0 : NV;
+        for (int64_t r0 = 0; r0 < rows; r0 += MRS) {
+            const int64_t mr = rows - r0 < MRS ? rows - r0 : MRS;
+            float *sr = s + r0 * KC + u0 * VW;
+            const float *qr = qs + r0 * D;
+            if (nv == NV && mr == MRS)
+                score_tile(sr, qr, col + u0, D, BS, MRS, NV);
+            else if (nv == NV && mr == 3) /* decode of three query heads per KV head (GQA 3:1) */
+                score_tile(sr, qr, col + u0, D, BS, 3, NV);
+            else
+                score_tile(sr, qr, col + u0, D, BS, mr, nv);
+        }
+    }
+    /* online softmax over this step's keys, row by row, within each row's range */
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t a = first[r] - k0, b = last[r] - k0 + 1;
+        a = a < 0 ? 0 : a;
+        b = b > kn ? kn : b;
+        float *sr = s + r * KC;
+        if (a >= b) {
+            memset(sr, 0, sizeof(float) * KC);
+            continue;
+        }
+        float mx = m[r];
+        for (int64_t j = a; j < b; j++) mx = sr[j] > mx ? sr[j] : mx;
+        const float c = expf(m[r] - mx);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < a; j++) sr[j] = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = a; j < b; j++) {
+            sr[j] = expf(sr[j] - mx);
+            sum += sr[j];
+        }
+        for (int64_t j = b; j < KC; j++) sr[j] = 0.0f;
+        l[r] = l[r] * c + sum;
+        m[r] = mx;
+        if (c != 1.0f)
+            for (int64_t d = 0; d < D; d++) o[r * D + d] *= c;
+    }
+    /* o[r] += sum_j s[r][j] value(k0 + j): MR rows by 4 vectors of D per tile, over all
+     * the step's keys before the tile goes back to memory */
+    const float *vblk[KC]; /* the step's value blocks */
+    for (int64_t j0 = 0; j0 < kn; j0 += BS) vblk[j0 / BS] = v + (blocks[(k0 + j0) / BS - b0] * KVH + h) * BS * D;
+    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        const int64_t mr = rows - r0 < MR ? rows - r0 : MR;
+        for (int64_t c = 0; c < D; c += 4 * VW) {
+            if (mr == MR)
+                pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, MR);
+            else if (mr == 3)
+                pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, 3);
+            else
+                pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, mr);
+        }
+    }
+}
+
 /* One task: KV head h, positions [pb * PB, pb * PB + PB) of the chunk. */
 static void prefill_task(const float *q, const float *k, const float *v, const int64_t *blocks, float *out,
                          float *qs, int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D,
@@ -348,87 +340,84 @@ static void prefill_task(const float *q, const float *k, const float *v, const i
         first[r] = window > 0 && ctx + pos - window + 1 > 0 ? ctx + pos - window + 1 : 0;
     }
     const int64_t kbegin = (first[0] / BS) * BS, kend = ctx + p1;
-    for (int64_t k0 = kbegin; k0 < kend; k0 += KC) {
-        const int64_t kn = kend - k0 < KC ? kend - k0 : KC; /* keys in this step */
-        /* scores: s[r][j] = qs[r] . key(k0 + j): MRS rows by NV vectors of keys per tile; the key
-         * vectors come from the step's cache blocks ([D][BS] each) */
-        const int64_t ncols = ((kn + BS - 1) / BS) * BS / VW;
-        const float *col[KC / VW];
-        for (int64_t u = 0; u < ncols; u++) {
-            const int64_t key = k0 + u * VW;
-            col[u] = k + (blocks[key / BS] * KVH + h) * D * BS + key % BS;
-        }
-        for (int64_t u0 = 0; u0 < ncols; u0 += NV) {
-            const int64_t nv = ncols - u0 < NV ? ncols - u0 : NV;
-            for (int64_t r0 = 0; r0 < rows; r0 += MRS) {
-                const int64_t mr = rows - r0 < MRS ? rows - r0 : MRS;
-                vf acc[MRS][NV] = {{0}};
-                if (mr == MRS && nv == NV) {
-                    for (int64_t d = 0; d < D; d++) {
-                        vf kv[NV];
-                        for (int u = 0; u < NV; u++) kv[u] = vload(col[u0 + u] + d * BS);
-                        for (int i = 0; i < MRS; i++) {
-                            const float qd = qs[(r0 + i) * D + d];
-                            for (int u = 0; u < NV; u++) acc[i][u] += kv[u] * qd;
-                        }
-                    }
-                } else {
-                    for (int64_t d = 0; d < D; d++)
-                        for (int u = 0; u < nv; u++) {
-                            const vf kv = vload(col[u0 + u] + d * BS);
-                            for (int i = 0; i < mr; i++) acc[i][u] += kv * qs[(r0 + i) * D + d];
-                        }
-                }
-                for (int i = 0; i < mr; i++)
-                    for (int u = 0; u < nv; u++) vstore(s + (r0 + i) * KC + (u0 + u) * VW, acc[i][u]);
-            }
-        }
-        /* online softmax over this step's keys, row by row, within each row's range */
-        for (int64_t r = 0; r < rows; r++) {
-            int64_t a = first[r] - k0, b = last[r] - k0 + 1;
-            a = a < 0 ? 0 : a;
-            b = b > kn ? kn : b;
-            float *sr = s + r * KC;
-            if (a >= b) {
-                memset(sr, 0, sizeof(float) * KC);
-                continue;
-            }
-            float mx = m[r];
-            for (int64_t j = a; j < b; j++) mx = sr[j] > mx ? sr[j] : mx;
-            const float c = expf(m[r] - mx);
-            float sum = 0.0f;
-            for (int64_t j = 0; j < a; j++) sr[j] = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = a; j < b; j++) {
-                sr[j] = expf(sr[j] - mx);
-                sum += sr[j];
-            }
-            for (int64_t j = b; j < KC; j++) sr[j] = 0.0f;
-            l[r] = l[r] * c + sum;
-            m[r] = mx;
-            if (c != 1.0f)
-                for (int64_t d = 0; d < D; d++) o[r * D + d] *= c;
-        }
-        /* o[r] += sum_j s[r][j] value(k0 + j): MR rows by 4 vectors of D per tile, over all
-         * the step's keys before the tile goes back to memory */
-        const float *vblk[KC]; /* the step's value blocks */
-        for (int64_t j0 = 0; j0 < kn; j0 += BS) vblk[j0 / BS] = v + (blocks[(k0 + j0) / BS] * KVH + h) * BS * D;
-        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-            const int64_t mr = rows - r0 < MR ? rows - r0 : MR;
-            for (int64_t c = 0; c < D; c += 4 * VW) {
-                if (mr == MR)
-                    pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, MR);
-                else
-                    pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, mr);
-            }
-        }
-    }
+    for (int64_t k0 = kbegin; k0 < kend; k0 += KC)
+        attend_keys(qs, o, m, l, first, last, rows, s, k, v, blocks, 0, k0, kend - k0 < KC ? kend - k0 : KC, h,
+                    KVH, D, BS);
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pos = p0 + r / G, g = r % G;
         float *orow = out + pos * out_stride + (h * G + g) * D;
         const float inv = 1.0f / l[r];
         for (int64_t d = 0; d < D; d++) orow[d] = o[r * D + d] * inv;
     }
+}
+
+/* Decode: one query of a request, KV heads [h0, h1), over its whole context (or its last
+ * `window` positions: then its table starts at the window's first block). Per step of KC keys,
+ * every head in turn, so the step's blocks are read while they are still in cache. */
+static void decode_task(const float *q, const float *k, const float *v, const int64_t *blocks, int64_t len,
+                        int64_t window, float *out, float *qs, int64_t h0, int64_t h1, int64_t G, int64_t KVH,
+                        int64_t D, int64_t BS, float scale) {
+    float *o = qs + ROWS * MAX_D, *s = o + ROWS * MAX_D;
+    const int64_t rows = (h1 - h0) * G, lo = window > 0 && len > window ? len - window : 0;
+    float m[ROWS], l[ROWS];
+    int64_t last[ROWS], first[ROWS];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *qr = q + h0 * G * D + r * D;
+        for (int64_t d = 0; d < D; d++) qs[r * D + d] = qr[d] * scale;
+        memset(o + r * D, 0, sizeof(float) * D);
+        m[r] = -FLT_MAX;
+        l[r] = 0.0f;
+        first[r] = lo;
+        last[r] = len - 1;
+    }
+    const int64_t b0 = lo / BS;
+    for (int64_t k0 = b0 * BS; k0 < len; k0 += KC)
+        for (int64_t h = h0; h < h1; h++) {
+            const int64_t r = (h - h0) * G;
+            attend_keys(qs + r * D, o + r * D, m + r, l + r, first + r, last + r, G, s, k, v, blocks, b0, k0,
+                        len - k0 < KC ? len - k0 : KC, h, KVH, D, BS);
+        }
+    float *orow = out + h0 * G * D;
+    for (int64_t r = 0; r < rows; r++) {
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; d++) orow[r * D + d] = o[r * D + d] * inv;
+    }
+}
+
+/* Paged decode attention: one query token per request, the same tiles as the prefill (the G
+ * query heads of a KV head are the rows), so the shapes paged_attention_f32_fits takes.
+ *
+ *   q        [n, H, D]                  query of each request (after RoPE)
+ *   blocks   each request's block ids, request after request (with window > 0: from the block
+ *            holding its first visible position, as attention.windowed leaves them)
+ *   starts   [n + 1]                    request r owns blocks[starts[r] .. starts[r + 1])
+ *   lens     [n]                        context length of request r (its query included)
+ *   out      [n, H, D]
+ * Returns -1 when a thread's scratch could not be allocated (out is then incomplete), else 0. */
+int paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *blocks, const int64_t *starts,
+                     const int64_t *lens, float *out, int64_t n, int64_t window, int64_t H, int64_t KVH, int64_t D,
+                     int64_t BS, float scale) {
+    const int64_t G = H / KVH;
+    /* One task per request when there are enough of them (each step's blocks, all heads, read
+     * while in cache); with fewer requests than threads, each request's heads are split. */
+    const int64_t threads = omp_get_max_threads();
+    int64_t splits = n >= threads ? 1 : (threads + n - 1) / n;
+    splits = splits > KVH ? KVH : splits;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *qs = aligned_alloc(64, sizeof(float) * ROWS * (2 * MAX_D + KC));
+        failed = qs == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < n * splits; task++) {
+            const int64_t r = task / splits, part = task % splits;
+            if (qs != NULL)
+                decode_task(q + r * H * D, k, v, blocks + starts[r], lens[r], window, out + r * H * D, qs,
+                            part * KVH / splits, (part + 1) * KVH / splits, G, KVH, D, BS, scale);
+        }
+        free(qs);
+    }
+    return failed ? -1 : 0;
 }
 
 int paged_prefill_f32(const float *q, const float *k, const float *v, const int64_t *blocks, float *out,

@@ -1,0 +1,178 @@
+"""The C attention kernels (csrc/cpu_kernels.c) against dense softmax attention.
+
+Prefill: chunks from scratch, after cached context (chunked prefill, a prefix hit), windowed (Gemma 3's
+local layers), shorter and longer than one task's positions, over a shuffled block table whose
+unwritten slots hold NaN, with queries as a strided view into a fused projection (as the model
+passes them). Decode: batches of requests of mixed lengths (and one request alone, its heads
+split across threads), whole and windowed, over one shuffled cache. The same checks run once more in a fresh process with the kernels built for AVX2,
+so an AVX-512 machine also tests the path AVX2-only machines take.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdserve.engine.attention import AttentionMetadata, CpuPagedAttention, PrefillChunk, TorchPagedAttention, windowed
+from pdserve.engine.cpu_isa import ENV_ISA, ORDER, best_isa, cpu_flags
+from pdserve.engine.cpu_kernels import load_kernels
+
+needs_kernels = pytest.mark.skipif(load_kernels() is None, reason="no C compiler here")
+
+
+def reference(q, keys, values, context_len, window):
+    """Dense attention of queries at context_len.. over every key, causal (and windowed)."""
+    group = q.shape[1] // keys.shape[1]
+    kk, vv = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = torch.einsum("thd,lhd->htl", q.double(), kk.double()) / math.sqrt(q.shape[2])
+    key_pos = torch.arange(len(keys))[None, :]
+    query_pos = (context_len + torch.arange(len(q)))[:, None]
+    mask = (key_pos <= query_pos) & ((key_pos > query_pos - window) if window else True)
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("htl,lhd->thd", scores.softmax(-1), vv.double()).float()
+
+
+def paged(keys, values, block_size, seed=0):
+    """The keys and values in a shuffled block table, every other slot NaN."""
+    k_cache, v_cache, (table,) = paged_batch([(keys, values)], block_size, seed)
+    return k_cache, v_cache, table
+
+
+def paged_batch(seqs, block_size, seed=0):
+    """Several sequences' keys and values in one cache, each with its own table of shuffled blocks;
+    unwritten slots NaN."""
+    _, kv_heads, head_dim = seqs[0][0].shape
+    counts = [-(-len(keys) // block_size) for keys, _ in seqs]
+    order = torch.randperm(sum(counts) + 3, generator=torch.Generator().manual_seed(seed))
+    k_cache = torch.full((len(order), kv_heads, head_dim, block_size), float("nan"))
+    v_cache = torch.full((len(order), kv_heads, block_size, head_dim), float("nan"))
+    tables, used = [], 0
+    for (keys, values), count in zip(seqs, counts):
+        table = order[used:used + count]
+        used += count
+        for t in range(len(keys)):
+            k_cache[table[t // block_size], :, :, t % block_size] = keys[t]
+            v_cache[table[t // block_size], :, t % block_size] = values[t]
+        tables.append(table)
+    return k_cache, v_cache, tables
+
+
+def decode_metadata(tables, lens, block_size, window):
+    """The decode part of a step's AttentionMetadata (as the model runner builds it), windowed as a
+    sliding-window layer sees it."""
+    counts = torch.tensor([len(t) for t in tables])
+    starts = torch.zeros(len(tables) + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=starts[1:])
+    req = torch.repeat_interleave(torch.arange(len(tables)), counts)
+    slot = (torch.arange(len(req)) - starts[req])[:, None] * block_size + torch.arange(block_size)[None, :]
+    meta = AttentionMetadata(
+        slot_blocks=torch.empty(0, dtype=torch.int64), slot_offsets=torch.empty(0, dtype=torch.int64),
+        num_decodes=len(tables), decode_block_ids=torch.cat(tables).to(torch.int64), decode_block_req=req,
+        decode_block_mask=slot < torch.tensor(lens)[req][:, None], decode_starts=starts,
+        decode_lens=torch.tensor(lens, dtype=torch.int64), prefills=[])
+    return windowed(meta, window)
+
+
+PREFILL_CASES = [  # heads, kv_heads, head_dim, block_size, context_len, query_len, window
+    (9, 3, 64, 16, 0, 1, 0),
+    (9, 3, 64, 16, 0, 7, 0),
+    (9, 3, 64, 16, 0, 300, 0),  # several tasks and softmax steps
+    (9, 3, 64, 16, 37, 50, 0),  # after a context that ends inside a block
+    (9, 3, 64, 16, 250, 1, 0),
+    (9, 3, 64, 32, 96, 200, 0),
+    (4, 1, 256, 16, 0, 70, 0),  # Gemma 3 270M's shape
+    (4, 1, 256, 16, 40, 90, 32),  # its sliding-window layers
+    (4, 1, 256, 16, 0, 100, 16),
+    (8, 8, 128, 16, 20, 33, 0),  # no grouping
+    (32, 4, 128, 16, 5, 20, 0),  # groups of 8, the most the kernel takes
+]
+
+
+def check_prefill_cases() -> None:
+    torch.manual_seed(0)
+    for heads, kv_heads, head_dim, block_size, context_len, query_len, window in PREFILL_CASES:
+        backend = CpuPagedAttention(heads, kv_heads, head_dim)
+        assert backend._fits(block_size), (heads, kv_heads, head_dim, block_size)
+        total = context_len + query_len
+        keys, values = torch.randn(total, kv_heads, head_dim), torch.randn(total, kv_heads, head_dim)
+        fused = torch.randn(query_len, (heads + 2 * kv_heads) * head_dim)
+        q = fused[:, : heads * head_dim].view(query_len, heads, head_dim)  # rows apart, as the model's
+        k_cache, v_cache, table = paged(keys, values, block_size)
+        chunk = PrefillChunk(0, query_len, context_len, table, window)
+        out = backend.prefill(q, keys[context_len:], values[context_len:], k_cache, v_cache, chunk)
+        expected = reference(q, keys, values, context_len, window)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+DECODE_CASES = [  # heads, kv_heads, head_dim, block_size, context lengths, window
+    (9, 3, 64, 16, [1, 17, 300, 1000, 128, 129], 0),
+    (9, 3, 64, 16, [700], 0),  # one request: its heads split across the threads
+    (4, 1, 256, 16, [600, 30, 513, 512], 512),  # Gemma 3 270M's sliding-window layers
+    (4, 1, 256, 16, [100, 47], 16),
+    (8, 8, 128, 32, [70, 3, 33], 0),
+    (32, 4, 128, 16, [40, 129], 0),
+]
+
+
+def check_decode_cases() -> None:
+    torch.manual_seed(0)
+    for heads, kv_heads, head_dim, block_size, lens, window in DECODE_CASES:
+        backend = CpuPagedAttention(heads, kv_heads, head_dim)
+        assert backend._fits(block_size), (heads, kv_heads, head_dim, block_size)
+        seqs = [(torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim)) for n in lens]
+        k_cache, v_cache, tables = paged_batch(seqs, block_size)
+        q = torch.randn(len(lens), heads, head_dim)
+        out = backend.decode(q, k_cache, v_cache, decode_metadata(tables, lens, block_size, window))
+        for r, (keys, values) in enumerate(seqs):
+            expected = reference(q[r:r + 1], keys, values, lens[r] - 1, window)
+            torch.testing.assert_close(out[r:r + 1], expected, rtol=1e-4, atol=1e-5)
+
+
+def check_cases() -> None:
+    check_prefill_cases()
+    check_decode_cases()
+
+
+@needs_kernels
+def test_the_prefill_kernel_matches_dense_attention():
+    check_prefill_cases()
+
+
+@needs_kernels
+def test_the_decode_kernel_matches_dense_attention():
+    check_decode_cases()
+
+
+@needs_kernels
+def test_the_kernels_built_for_avx2_match_too(tmp_path):
+    if ORDER.index(best_isa(cpu_flags())) < ORDER.index("avx2"):
+        pytest.skip("this processor has no AVX2")
+    env = {**os.environ, ENV_ISA: "avx2", "PDSERVE_CACHE_DIR": str(tmp_path)}
+    code = "import tests.engine.test_cpu_attention_kernels as t; t.check_cases()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@needs_kernels
+def test_a_shape_the_kernels_do_not_take_goes_through_torch():
+    """Head size 48 is not a whole number of the kernels' vectors: same answers, from the torch path."""
+    heads, kv_heads, head_dim, block_size = 6, 2, 48, 16
+    backend = CpuPagedAttention(heads, kv_heads, head_dim)
+    assert not backend._fits(block_size)
+    keys, values, q = torch.randn(40, kv_heads, head_dim), torch.randn(40, kv_heads, head_dim), torch.randn(24, heads,
+                                                                                                              head_dim)
+    k_cache, v_cache, table = paged(keys, values, block_size)
+    chunk = PrefillChunk(0, 24, 16, table)
+    out = backend.prefill(q, keys[16:], values[16:], k_cache, v_cache, chunk)
+    torch.testing.assert_close(out, TorchPagedAttention(heads, kv_heads, head_dim).prefill(
+        q, keys[16:], values[16:], k_cache, v_cache, chunk))
+    torch.testing.assert_close(out, reference(q, keys, values, 16, 0), rtol=1e-4, atol=1e-5)
+    meta = decode_metadata([table], [40], block_size, 0)
+    out = backend.decode(q[:1], k_cache, v_cache, meta)
+    torch.testing.assert_close(out, reference(q[:1], keys, values, 39, 0), rtol=1e-4, atol=1e-5)
