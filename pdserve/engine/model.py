@@ -231,7 +231,8 @@ class LlamaForCausalLM(nn.Module):
         """Lay the projections out for CPU matmuls (see ``Linear``; ``linear_path`` from
         ``cpu_isa``) and use the C kernels for norms and SwiGLU where they can be built; call
         once after loading."""
-        kernels = cpu_kernels.load_kernels() if self.embed_tokens.weight.dtype == torch.float32 else None
+        # the activations' dtype (the norms'): a bf16 embedding table under float32 activations still takes them
+        kernels = cpu_kernels.load_kernels() if self.norm.weight.dtype == torch.float32 else None
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare_for_cpu(threads, kernels, linear_path)

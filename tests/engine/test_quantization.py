@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from pdserve.configs import ConfigError, from_dict
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine.cpu_kernels import load_kernels
 from pdserve.engine.loader import load_model
 from pdserve.engine.quant import QuantLinear, quantize_model, weight_bytes
 from pdserve.engine.quant.awq import full_forward, search_scale
@@ -224,6 +225,8 @@ def test_quantized_model_serves_through_the_engine(float_tiny, method):
     outs = run_to_completion(engine)
     assert all(len(tokens) == 6 for tokens in outs.values())
     assert engine.runner.kv_cache.dtype == torch.float32
+    if load_kernels() is not None:  # float32 activations: the C norms and SwiGLU, whatever the weights
+        assert loaded.model.norm.kernels is not None and loaded.model.layers[0].mlp.kernels is not None
     assert_no_leaks(engine)
 
 
