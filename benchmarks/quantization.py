@@ -11,7 +11,7 @@ GGUF's Q4_1 blocks dequantised at load) and measures:
   ignore_eos; time from the step after every prompt is prefilled to the last token; the best
   of --repeats runs (the development machines are shared: the best run is the least disturbed);
 - perplexity of benchmarks/data/public_domain.txt (see benchmarks/data/README.md), in
-  --ppl-window-token windows, up to --ppl-tokens tokens, through a plain causal forward;
+  --ppl-window-token windows, up to --ppl-tokens tokens, through the engine (prompt_logprobs);
 - greedy agreement with float: --agree-tokens greedy tokens for each of the chat prompts below,
   the fraction of positions where the token equals float's, and how many outputs are identical.
 
@@ -63,18 +63,22 @@ def decode_tps(engine, batch: int, args, rep: int = 0) -> float:
     return (sum(counts.values()) - first) / (time.perf_counter() - start)
 
 
-def perplexity(loaded, args) -> tuple[float, int]:
-    import torch
+def perplexity(engine, args) -> tuple[float, int]:
+    """Through the engine as it serves (its attention backend and kernels): each window a prompt
+    whose tokens' logprobs come back (``prompt_logprobs``)."""
+    from pdserve.engine import SamplingParams
 
-    from pdserve.engine.quant.awq import full_forward
-
-    ids = loaded.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)[: args.ppl_tokens]
+    ids = engine.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)[: args.ppl_tokens]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, args.ppl_window):
-        window = torch.tensor(ids[start : start + args.ppl_window + 1])
-        logits = full_forward(loaded.model, window[:-1])
-        nll += float(torch.nn.functional.cross_entropy(logits.float(), window[1:], reduction="sum"))
-        count += len(window) - 1
+        window = ids[start : start + args.ppl_window + 1]
+        engine.add_request(f"ppl{start}", window, params)
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.prompt_logprobs is not None:
+                    nll -= sum(p.sampled.logprob for p in o.prompt_logprobs[1:])
+                    count += len(window) - 1
     return math.exp(nll / count), count
 
 
@@ -111,7 +115,7 @@ def run_format(fmt: str, args) -> dict:
         result[f"decode_b{batch}_tok_s"] = max(decode_tps(engine, batch, args, r) for r in range(args.repeats))
     bar.update()
     bar.set_description(f"{fmt}: perplexity")
-    result["perplexity"], result["ppl_tokens"] = perplexity(engine.loaded, args)
+    result["perplexity"], result["ppl_tokens"] = perplexity(engine, args)
     bar.update()
     bar.set_description(f"{fmt}: greedy outputs")
     result["greedy"] = greedy_outputs(engine, args)

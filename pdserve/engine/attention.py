@@ -206,6 +206,9 @@ class CpuPagedAttention(TorchPagedAttention):
 
         self.kernels = load_kernels()
         self._fits_cache: dict[int, bool] = {}  # block size -> whether the attention kernels take the shape
+        # Prefill's scores and values multiplied in bfloat16 where the kernels have bf16 dot products
+        # (set by the model runner for a model whose projections multiply in bfloat16: quantization bf16).
+        self.bf16_products = False
 
     def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         from pdserve.engine.cpu_kernels import rows_of_heads, usable, write_kv
@@ -235,7 +238,7 @@ class CpuPagedAttention(TorchPagedAttention):
 
         if self.kernels is not None and rows_of_heads(q) and usable(k_cache, v_cache) and self._fits(v_cache.shape[2]):
             out = paged_prefill(self.kernels, q, k_cache, v_cache, chunk.block_ids, chunk.context_len, chunk.window,
-                                self.scale)
+                                self.scale, self.bf16_products)
             if out is not None:
                 return out
         return super().prefill(q, k, v, k_cache, v_cache, chunk)

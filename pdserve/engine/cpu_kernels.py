@@ -36,6 +36,8 @@ def _cpu_flags() -> list[str]:
         chosen += ["-mavx2", "-mfma"]
     if level >= ORDER.index("avx512"):
         chosen += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mprefer-vector-width=512"]
+    if level >= ORDER.index("avx512_bf16"):
+        chosen += ["-mavx512bf16"]
     return chosen
 
 
@@ -82,13 +84,14 @@ def load_kernels() -> ctypes.CDLL | None:
         "gemm_rows_f32": [ptr] * 3 + [i64] * 3,
         "gemv_bf16_f32": [ptr] * 3 + [i64] * 2,
         "gemm_rows_bf16_f32": [ptr] * 3 + [i64] * 3,
-        "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32],
+        "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32, i64],
         "paged_attention_f32_fits": [i64] * 4,
+        "paged_prefill_bf16_products": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
-    for name in ("paged_decode_f32", "paged_prefill_f32", "paged_attention_f32_fits"):
+    for name in ("paged_decode_f32", "paged_prefill_f32", "paged_attention_f32_fits", "paged_prefill_bf16_products"):
         getattr(lib, name).restype = ctypes.c_int
     return lib
 
@@ -111,17 +114,19 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  block_ids: torch.Tensor, context_len: int, window: int, scale: float) -> torch.Tensor | None:
+                  block_ids: torch.Tensor, context_len: int, window: int, scale: float,
+                  bf16_products: bool = False) -> torch.Tensor | None:
     """Attention of a prefill chunk (``q`` ``[n, H, D]``, see ``rows_of_heads``) over its context and
     itself, read from the cache in place (the chunk's keys and values already written); causal, and
-    within ``window`` positions when it is non-zero. None when the kernel could not allocate its
-    scratch (the caller computes it another way)."""
+    within ``window`` positions when it is non-zero. ``bf16_products``: the scores and the values
+    multiplied in bfloat16 (dot products; where the kernels were built with them, else float32).
+    None when the kernel could not allocate its scratch (the caller computes it another way)."""
     n, h, d = q.shape
     _, kvh, bs, _ = v_cache.shape
     out = torch.empty(n, h, d, dtype=torch.float32)
     failed = lib.paged_prefill_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(), out.data_ptr(), n,
-        context_len, window, h, kvh, d, bs, q.stride(0), h * d, scale,
+        context_len, window, h, kvh, d, bs, q.stride(0), h * d, scale, int(bf16_products),
     )
     return None if failed else out
 

@@ -85,6 +85,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         nn.Module.__init__(self)
         self.config = cfg
+        self.bf16_matmuls = False  # as LlamaForCausalLM's
         positions = max_positions or cfg.max_position_embeddings
         self.rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)  # global layers
         self.rope_local = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta, None)

@@ -215,6 +215,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         super().__init__()
         self.config = cfg
+        # True after quantization bf16: the projections multiply in bfloat16, so attention's products may too
+        self.bf16_matmuls = False
         self.rope = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, PrefillChunk, get_backend
+from pdserve.engine.attention import AttentionMetadata, CpuPagedAttention, PrefillChunk, get_backend
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.kv_cache_manager import cdiv
@@ -87,6 +87,8 @@ class ModelRunner:
         else:
             self.backend = get_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                        self.device.type)
+            if isinstance(self.backend, CpuPagedAttention):
+                self.backend.bf16_products = model.bf16_matmuls
         # On CUDA, steps run through cuda_graphs: inputs moved to the GPU, decode steps replayed as graphs.
         self.cuda_graphs = CudaGraphRunner(model, self.layer_caches, self.backend, block_size) \
             if self.device.type == "cuda" else None

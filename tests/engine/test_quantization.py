@@ -227,6 +227,7 @@ def test_quantized_model_serves_through_the_engine(float_tiny, method):
     assert engine.runner.kv_cache.dtype == torch.float32
     if load_kernels() is not None:  # float32 activations: the C norms and SwiGLU, whatever the weights
         assert loaded.model.norm.kernels is not None and loaded.model.layers[0].mlp.kernels is not None
+    assert engine.runner.backend.bf16_products == (method == "bf16")  # bf16 projections: bf16 attention products
     assert_no_leaks(engine)
 
 

@@ -245,14 +245,131 @@ static inline __attribute__((always_inline)) void pv_tile(float *o, const float 
         for (int u = 0; u < 4; u++) vstore(o + i * D + c + u * VW, acc[i][u]);
 }
 
+/* bfloat16 products (a bf16-quantized model's prefill, on processors with bf16 dot products):
+ * the scores and the values computed with vdpbf16ps, which multiplies pairs of bfloat16 and adds
+ * both products to a float32 lane, at twice the FMA rate; the softmax, the outputs and the cache
+ * stay float32. Each step's keys and values are rounded into pair-interleaved scratch once and
+ * serve every row of the task; queries once per task; probabilities once per step and row.
+ * A 32-bit lane holds a pair: the first element in its low half, the second in its high half. */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define BF16_PRODUCTS 1
+typedef struct {
+    uint32_t *q; /* [ROWS][MAX_D / 2]: row r's query, dims (2i, 2i + 1) in lane i */
+    uint32_t *k; /* [MAX_D / 2][KC]: key j's dims (2i, 2i + 1) at [i][j] */
+    uint32_t *v; /* [KC / 2][MAX_D]: keys (2i, 2i + 1)'s values of dim d at [i][d] */
+    uint32_t *p; /* [ROWS][KC / 2]: row r's probabilities of keys (2i, 2i + 1) */
+} pairs_t;
+#define PAIRS_U32 (ROWS * MAX_D / 2 + MAX_D / 2 * KC + KC / 2 * MAX_D + ROWS * KC / 2)
+
+static const float zeros[MAX_D];
+
+/* lane i = (a[i], b[i]), rounded to bfloat16 */
+static inline __m512i pair_lanes(const float *a, const float *b) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a)));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b)));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+/* out[i] = (x[2i], x[2i + 1]) for n floats (n a multiple of 32), rounded to bfloat16 */
+static inline void adjacent_pairs(uint32_t *out, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i += 32)
+        _mm512_storeu_si512(out + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16),
+                                                                      _mm512_loadu_ps(x + i)));
+}
+
+static inline __attribute__((always_inline)) void score_tile_bf16(float *s, const uint32_t *q, const uint32_t *k,
+                                                                  int64_t D, const int mr, const int nv) {
+    __m512 acc[MRS][NV];
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < nv; u++) acc[i][u] = _mm512_setzero_ps();
+    for (int64_t dp = 0; dp < D / 2; dp++) {
+        __m512i kv[NV];
+        for (int u = 0; u < nv; u++) kv[u] = _mm512_loadu_si512(k + dp * KC + u * 16);
+        for (int i = 0; i < mr; i++) {
+            const __m512i qb = _mm512_set1_epi32((int)q[i * (MAX_D / 2) + dp]);
+            for (int u = 0; u < nv; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)kv[u], (__m512bh)qb);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < nv; u++) _mm512_storeu_ps(s + i * KC + u * 16, acc[i][u]);
+}
+
+/* s[r][j] for the step's keys (col: as attend_keys has them), through the pair scratch */
+static void scores_bf16(float *s, const pairs_t *bf, const float *const *col, int64_t ncols, int64_t rows,
+                        int64_t D, int64_t BS) {
+    for (int64_t u = 0; u < ncols; u++)
+        for (int64_t dp = 0; dp < D / 2; dp++)
+            _mm512_storeu_si512(bf->k + dp * KC + u * 16, pair_lanes(col[u] + 2 * dp * BS, col[u] + (2 * dp + 1) * BS));
+    for (int64_t u0 = 0; u0 < ncols; u0 += NV) {
+        const int64_t nv = ncols - u0 < NV ? ncols - u0 : NV;
+        for (int64_t r0 = 0; r0 < rows; r0 += MRS) {
+            const int64_t mr = rows - r0 < MRS ? rows - r0 : MRS;
+            float *sr = s + r0 * KC + u0 * 16;
+            const uint32_t *qr = bf->q + r0 * (MAX_D / 2), *kr = bf->k + u0 * 16;
+            if (nv == NV && mr == MRS)
+                score_tile_bf16(sr, qr, kr, D, MRS, NV);
+            else
+                score_tile_bf16(sr, qr, kr, D, mr, nv);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void pv_tile_bf16(float *o, const uint32_t *p, const uint32_t *v,
+                                                               int64_t c, int64_t pairs, int64_t D, const int mr) {
+    __m512 acc[MR][4];
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < 4; u++) acc[i][u] = _mm512_loadu_ps(o + i * D + c + u * 16);
+    for (int64_t jp = 0; jp < pairs; jp++) {
+        __m512i vv[4];
+        for (int u = 0; u < 4; u++) vv[u] = _mm512_loadu_si512(v + jp * MAX_D + c + u * 16);
+        for (int i = 0; i < mr; i++) {
+            const __m512i pb = _mm512_set1_epi32((int)p[i * (KC / 2) + jp]);
+            for (int u = 0; u < 4; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)vv[u], (__m512bh)pb);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < 4; u++) _mm512_storeu_ps(o + i * D + c + u * 16, acc[i][u]);
+}
+
+/* o[r] += sum_j s[r][j] value(k0 + j) through the pair scratch (an odd last key pairs with zeros:
+ * the slot after it may be unwritten) */
+static void values_bf16(float *o, const float *s, const pairs_t *bf, const float *const *vblk, int64_t kn,
+                        int64_t rows, int64_t D, int64_t BS) {
+    const int64_t pairs = (kn + 1) / 2;
+    for (int64_t jp = 0; jp < pairs; jp++) {
+        const int64_t j = 2 * jp;
+        const float *a = vblk[j / BS] + (j % BS) * D, *b = j + 1 < kn ? vblk[(j + 1) / BS] + ((j + 1) % BS) * D : zeros;
+        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_si512(bf->v + jp * MAX_D + c, pair_lanes(a + c, b + c));
+    }
+    for (int64_t r = 0; r < rows; r++) adjacent_pairs(bf->p + r * (KC / 2), s + r * KC, KC);
+    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        const int64_t mr = rows - r0 < MR ? rows - r0 : MR;
+        for (int64_t c = 0; c < D; c += 64) {
+            if (mr == MR)
+                pv_tile_bf16(o + r0 * D, bf->p + r0 * (KC / 2), bf->v, c, pairs, D, MR);
+            else
+                pv_tile_bf16(o + r0 * D, bf->p + r0 * (KC / 2), bf->v, c, pairs, D, mr);
+        }
+    }
+}
+#else
+#define BF16_PRODUCTS 0
+typedef struct {
+    uint32_t *q;
+} pairs_t;
+#define PAIRS_U32 0
+#endif
+
 /* One step of an online softmax: rows of query heads of KV head h (queries scaled, in qs;
  * row r's running max m[r], sum l[r] and unnormalised output o[r]) over keys [k0, k0 + kn) of
  * the sequence, each row within its own range [first[r], last[r]]. blocks[key / BS - b0] holds
- * key's block (b0 > 0: a table that starts past the blocks nobody sees). s: scratch, KC per row. */
+ * key's block (b0 > 0: a table that starts past the blocks nobody sees). s: scratch, KC per row.
+ * bf: NULL, or the bfloat16 products' scratch (its q filled: the rows' queries as pairs). */
 static inline void attend_keys(const float *qs, float *o, float *m, float *l, const int64_t *first,
                                const int64_t *last, int64_t rows, float *s, const float *k, const float *v,
                                const int64_t *blocks, int64_t b0, int64_t k0, int64_t kn, int64_t h, int64_t KVH,
-                               int64_t D, int64_t BS) {
+                               int64_t D, int64_t BS, const pairs_t *bf) {
     /* scores: s[r][j] = qs[r] . key(k0 + j): MRS rows by NV vectors of keys per tile; the key
      * vectors come from the step's cache blocks ([D][BS] each) */
     const int64_t ncols = ((kn + BS - 1) / BS) * BS / VW;
@@ -261,6 +378,11 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
         const int64_t key = k0 + u * VW;
         col[u] = k + (blocks[key / BS - b0] * KVH + h) * D * BS + key % BS;
     }
+#if BF16_PRODUCTS
+    if (bf != NULL)
+        scores_bf16(s, bf, col, ncols, rows, D, BS);
+    else
+#endif
     for (int64_t u0 = 0; u0 < ncols; u0 += NV) {
         const int64_t nv = ncols - u0 < NV ? ncols - u0 : NV;
         for (int64_t r0 = 0; r0 < rows; r0 += MRS) {
@@ -305,6 +427,12 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
      * the step's keys before the tile goes back to memory */
     const float *vblk[KC]; /* the step's value blocks */
     for (int64_t j0 = 0; j0 < kn; j0 += BS) vblk[j0 / BS] = v + (blocks[(k0 + j0) / BS - b0] * KVH + h) * BS * D;
+#if BF16_PRODUCTS
+    if (bf != NULL) {
+        values_bf16(o, s, bf, vblk, kn, rows, D, BS);
+        return;
+    }
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += MR) {
         const int64_t mr = rows - r0 < MR ? rows - r0 : MR;
         for (int64_t c = 0; c < D; c += 4 * VW) {
@@ -321,7 +449,8 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
 /* One task: KV head h, positions [pb * PB, pb * PB + PB) of the chunk. */
 static void prefill_task(const float *q, const float *k, const float *v, const int64_t *blocks, float *out,
                          float *qs, int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D,
-                         int64_t BS, int64_t q_stride, int64_t out_stride, float scale, int64_t pb, int64_t h) {
+                         int64_t BS, int64_t q_stride, int64_t out_stride, float scale, int64_t pb, int64_t h,
+                         const pairs_t *bf) {
     const int64_t G = H / KVH;
     float *o = qs + ROWS * MAX_D, *s = o + ROWS * MAX_D;
 
@@ -339,10 +468,14 @@ static void prefill_task(const float *q, const float *k, const float *v, const i
         last[r] = ctx + pos;
         first[r] = window > 0 && ctx + pos - window + 1 > 0 ? ctx + pos - window + 1 : 0;
     }
+#if BF16_PRODUCTS
+    if (bf != NULL)
+        for (int64_t r = 0; r < rows; r++) adjacent_pairs(bf->q + r * (MAX_D / 2), qs + r * D, D);
+#endif
     const int64_t kbegin = (first[0] / BS) * BS, kend = ctx + p1;
     for (int64_t k0 = kbegin; k0 < kend; k0 += KC)
         attend_keys(qs, o, m, l, first, last, rows, s, k, v, blocks, 0, k0, kend - k0 < KC ? kend - k0 : KC, h,
-                    KVH, D, BS);
+                    KVH, D, BS, bf);
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pos = p0 + r / G, g = r % G;
         float *orow = out + pos * out_stride + (h * G + g) * D;
@@ -375,7 +508,7 @@ static void decode_task(const float *q, const float *k, const float *v, const in
         for (int64_t h = h0; h < h1; h++) {
             const int64_t r = (h - h0) * G;
             attend_keys(qs + r * D, o + r * D, m + r, l + r, first + r, last + r, G, s, k, v, blocks, b0, k0,
-                        len - k0 < KC ? len - k0 : KC, h, KVH, D, BS);
+                        len - k0 < KC ? len - k0 : KC, h, KVH, D, BS, NULL);
         }
     float *orow = out + h0 * G * D;
     for (int64_t r = 0; r < rows; r++) {
@@ -420,9 +553,13 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
     return failed ? -1 : 0;
 }
 
+/* Whether paged_prefill_f32 can multiply in bfloat16 (built for a processor with bf16 dot products). */
+int paged_prefill_bf16_products(void) { return BF16_PRODUCTS; }
+
 int paged_prefill_f32(const float *q, const float *k, const float *v, const int64_t *blocks, float *out,
                        int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                       int64_t q_stride, int64_t out_stride, float scale) {
+                       int64_t q_stride, int64_t out_stride, float scale, int64_t bf16_products) {
+    const int bf16 = BF16_PRODUCTS && bf16_products;
     const int64_t pblocks = (n + PB - 1) / PB; /* tasks run last positions first: the most keys, so the
                                                  * dynamic schedule ends balanced */
     const int64_t tasks = pblocks * KVH;
@@ -430,12 +567,19 @@ int paged_prefill_f32(const float *q, const float *k, const float *v, const int6
 #pragma omp parallel reduction(| : failed)
     {
         /* per thread: the task's queries (scaled) and outputs, row r at r * D; its scores, row r at r * KC */
-        float *qs = aligned_alloc(64, sizeof(float) * ROWS * (2 * MAX_D + KC));
+        const size_t floats = ROWS * (2 * MAX_D + KC);
+        float *qs = aligned_alloc(64, sizeof(float) * floats + (bf16 ? sizeof(uint32_t) * PAIRS_U32 : 0));
         failed = qs == NULL;
+        pairs_t pairs = {(uint32_t *)(qs + floats)}, *bf = bf16 ? &pairs : NULL;
+#if BF16_PRODUCTS
+        pairs.k = pairs.q + ROWS * MAX_D / 2;
+        pairs.v = pairs.k + MAX_D / 2 * KC;
+        pairs.p = pairs.v + KC / 2 * MAX_D;
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             if (qs != NULL) prefill_task(q, k, v, blocks, out, qs, n, ctx, window, H, KVH, D, BS, q_stride,
-                                         out_stride, scale, pblocks - 1 - task / KVH, task % KVH);
+                                         out_stride, scale, pblocks - 1 - task / KVH, task % KVH, bf);
         }
         free(qs);
     }

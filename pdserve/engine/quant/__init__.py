@@ -78,6 +78,7 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
         _swap(model, "lm_head", head)
         if model.config.tie_word_embeddings:  # one bf16 table for both, as the float model shares one
             model.embed_tokens.weight = torch.nn.Parameter(head.qweight, requires_grad=False)
+        model.bf16_matmuls = True
         return
     if method == "gguf":
         from pdserve.engine.quant.gguf_native import gguf_linears

@@ -261,7 +261,8 @@ class BF16Linear(QuantLinear):
     it, so decode reads half the bytes and keeps float32 arithmetic. More rows: the activations
     are rounded to bfloat16 and oneDNN multiplies them by the packed weight (bf16 dot products on
     processors that have them: twice float32's rate), the result widened back to float32. Norms,
-    attention, the KV cache and the residual stream stay float32.
+    the softmax, the KV cache and the residual stream stay float32 (on those processors prefill
+    attention's products run in bfloat16 too: ``model.bf16_matmuls``, ``CpuPagedAttention``).
     """
 
     FEW_ROWS = 4
