@@ -1,7 +1,8 @@
-"""The C kernels of ``csrc/cpu_kernels.c``: compiled once per machine on first use, loaded through ctypes.
+"""The C kernels of ``csrc/`` (``cpu_kernels.c``, ``cpu_attention.c``): compiled once per machine into one
+library on first use, loaded through ctypes.
 
 The shared object is cached under ``$PDSERVE_CACHE_DIR`` (default ``~/.cache/pdserve``), keyed
-by the source, the compiler flags and the CPU's vector extensions. No compiler, or a failed
+by the sources, the compiler flags and the CPU's vector extensions. No compiler, or a failed
 build, means ``load_kernels()`` returns None and callers use their torch path.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.c", "cpu_attention.c")]
 
 
 def _cpu_flags() -> list[str]:
@@ -59,17 +60,18 @@ def load_kernels() -> ctypes.CDLL | None:
     # after it; Hypothesis refused to generate floats under it, which is how it was found).
     compile_flags = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", *_cpu_flags()]
     link_flags = ["-shared", "-fopenmp"]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *compile_flags, "|", *link_flags]).encode())
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES)
+                         + " ".join([compiler, *compile_flags, "|", *link_flags]).encode())
     target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built, obj = Path(tmp) / target.name, Path(tmp) / "cpu_kernels.o"
-            for step in ([compiler, *compile_flags, "-c", str(SOURCE), "-o", str(obj)],
-                         [compiler, *link_flags, str(obj), "-o", str(built), "-lmvec", "-lm"]):
+            built, objs = Path(tmp) / target.name, [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
+            steps = [[compiler, *compile_flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs)]
+            for step in [*steps, [compiler, *link_flags, *map(str, objs), "-o", str(built), "-lmvec", "-lm"]]:
                 proc = subprocess.run(step, capture_output=True, text=True)
                 if proc.returncode:
-                    log.warning("building the CPU attention kernel failed; using the torch path:\n%s", proc.stderr)
+                    log.warning("building the CPU kernels failed; using the torch path:\n%s", proc.stderr)
                     return None
             os.replace(built, target)  # atomic: concurrent workers never load a half-written file
     lib = ctypes.CDLL(str(target))

@@ -1,4 +1,4 @@
-"""The C attention kernels (csrc/cpu_kernels.c) against dense softmax attention.
+"""The C attention kernels (csrc/cpu_attention.c) against dense softmax attention.
 
 Prefill: chunks from scratch, after cached context (chunked prefill, a prefix hit), windowed (Gemma 3's
 local layers), shorter and longer than one task's positions, over a shuffled block table whose

@@ -1,0 +1,436 @@
+/* Paged attention on CPUs (float32; bfloat16 products where built with -mavx512bf16): prefill
+ * chunks and decode batches, read from the cache in place (layout: see cpu_kernels.c) with an
+ * online softmax; torch's path gathers the blocks into a new tensor first, then reads that copy
+ * (three passes over the KV instead of one). Built into the same library as cpu_kernels.c. */
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_D 256
+
+/* Paged prefill attention (float32): a chunk of n queries at positions ctx .. ctx + n - 1 over
+ * keys 0 .. ctx + n - 1 read from the cache in place (the chunk's own keys are written there
+ * first), causally and, when window > 0, over the last `window` positions only. One task is the
+ * G query heads of one KV head at PB consecutive positions, stacked as rows (row r: position
+ * p0 + r / G, head r % G), so each key and value read serves G heads. Per step of KC keys: the
+ * scores as register tiles (MRS rows by NV vectors of keys: D broadcast-FMAs from the transposed
+ * key blocks), an online softmax over each row's own key range, then the values as register
+ * tiles (MR rows by 4 vectors of D). GCC vector extensions: 16 lanes with AVX-512, 8 with AVX2.
+ *
+ *   q        rows q_stride floats apart, [H, D] each (a view into the fused qkv projection)
+ *   blocks   the sequence's block ids, covering ctx + n positions
+ *   out      rows out_stride floats apart, [H, D] each
+ * paged_attention_f32_fits says whether the attention kernels (this and paged_decode_f32) take
+ * a shape. paged_prefill_f32 returns -1 when a thread's scratch could not be allocated (out is
+ * then incomplete), else 0. */
+
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX2__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+static inline vf vload(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+#define PB 16                  /* positions per task */
+#define MAXG 8                 /* query heads per KV head */
+#define ROWS (PB * MAXG)
+#define KC 128                 /* keys per softmax step */
+#define MRS (VW == 16 ? 4 : 2) /* rows per register tile of the scores */
+#define NV 4                   /* key vectors per register tile of the scores */
+#define MR (VW == 16 ? 4 : 3)  /* rows per register tile of the values */
+
+int paged_attention_f32_fits(int64_t H, int64_t KVH, int64_t D, int64_t BS) {
+    return H % KVH == 0 && H / KVH <= MAXG && H <= ROWS && D <= MAX_D && D % (4 * VW) == 0 && BS % VW == 0 && BS <= KC &&
+           KC % BS == 0;
+}
+
+/* s[i][u VW ..] = q[i] . key vectors col[u] for mr rows by nv vectors (constants when inlined
+ * with them: the tile then lives in registers) */
+static inline __attribute__((always_inline)) void score_tile(float *s, const float *q, const float *const *col,
+                                                             int64_t D, int64_t BS, const int mr, const int nv) {
+    vf acc[MRS][NV] = {{0}};
+    for (int64_t d = 0; d < D; d++) {
+        vf kv[NV];
+        for (int u = 0; u < nv; u++) kv[u] = vload(col[u] + d * BS);
+        for (int i = 0; i < mr; i++) {
+            const float qd = q[i * D + d];
+            for (int u = 0; u < nv; u++) acc[i][u] += kv[u] * qd;
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < nv; u++) vstore(s + i * KC + u * VW, acc[i][u]);
+}
+
+/* o[i][c .. c + 4 VW) += sum_j s[i][j] v_j[c ..] for mr rows (a constant when inlined with one) */
+static inline __attribute__((always_inline)) void pv_tile(float *o, const float *s,
+                                                          const float *const *vblk, int64_t c, int64_t kn,
+                                                          int64_t BS, int64_t D, const int mr) {
+    vf acc[MR][4];
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < 4; u++) acc[i][u] = vload(o + i * D + c + u * VW);
+    for (int64_t j = 0; j < kn; j++) {
+        const float *vr = vblk[j / BS] + (j % BS) * D + c;
+        const vf v0 = vload(vr), v1 = vload(vr + VW), v2 = vload(vr + 2 * VW), v3 = vload(vr + 3 * VW);
+        for (int i = 0; i < mr; i++) {
+            const float p = s[i * KC + j];
+            acc[i][0] += v0 * p;
+            acc[i][1] += v1 * p;
+            acc[i][2] += v2 * p;
+            acc[i][3] += v3 * p;
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < 4; u++) vstore(o + i * D + c + u * VW, acc[i][u]);
+}
+
+/* bfloat16 products (a bf16-quantized model's prefill, on processors with bf16 dot products):
+ * the scores and the values computed with vdpbf16ps, which multiplies pairs of bfloat16 and adds
+ * both products to a float32 lane, at twice the FMA rate; the softmax, the outputs and the cache
+ * stay float32. Each step's keys and values are rounded into pair-interleaved scratch once and
+ * serve every row of the task; queries once per task; probabilities once per step and row.
+ * A 32-bit lane holds a pair: the first element in its low half, the second in its high half. */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define BF16_PRODUCTS 1
+typedef struct {
+    uint32_t *q; /* [ROWS][MAX_D / 2]: row r's query, dims (2i, 2i + 1) in lane i */
+    uint32_t *k; /* [MAX_D / 2][KC]: key j's dims (2i, 2i + 1) at [i][j] */
+    uint32_t *v; /* [KC / 2][MAX_D]: keys (2i, 2i + 1)'s values of dim d at [i][d] */
+    uint32_t *p; /* [ROWS][KC / 2]: row r's probabilities of keys (2i, 2i + 1) */
+} pairs_t;
+#define PAIRS_U32 (ROWS * MAX_D / 2 + MAX_D / 2 * KC + KC / 2 * MAX_D + ROWS * KC / 2)
+
+static const float zeros[MAX_D];
+
+/* lane i = (a[i], b[i]), rounded to bfloat16 */
+static inline __m512i pair_lanes(const float *a, const float *b) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a)));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b)));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+/* out[i] = (x[2i], x[2i + 1]) for n floats (n a multiple of 32), rounded to bfloat16 */
+static inline void adjacent_pairs(uint32_t *out, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i += 32)
+        _mm512_storeu_si512(out + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16),
+                                                                      _mm512_loadu_ps(x + i)));
+}
+
+static inline __attribute__((always_inline)) void score_tile_bf16(float *s, const uint32_t *q, const uint32_t *k,
+                                                                  int64_t D, const int mr, const int nv) {
+    __m512 acc[MRS][NV];
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < nv; u++) acc[i][u] = _mm512_setzero_ps();
+    for (int64_t dp = 0; dp < D / 2; dp++) {
+        __m512i kv[NV];
+        for (int u = 0; u < nv; u++) kv[u] = _mm512_loadu_si512(k + dp * KC + u * 16);
+        for (int i = 0; i < mr; i++) {
+            const __m512i qb = _mm512_set1_epi32((int)q[i * (MAX_D / 2) + dp]);
+            for (int u = 0; u < nv; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)kv[u], (__m512bh)qb);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < nv; u++) _mm512_storeu_ps(s + i * KC + u * 16, acc[i][u]);
+}
+
+/* s[r][j] for the step's keys (col: as attend_keys has them), through the pair scratch */
+static void scores_bf16(float *s, const pairs_t *bf, const float *const *col, int64_t ncols, int64_t rows,
+                        int64_t D, int64_t BS) {
+    for (int64_t u = 0; u < ncols; u++)
+        for (int64_t dp = 0; dp < D / 2; dp++)
+            _mm512_storeu_si512(bf->k + dp * KC + u * 16, pair_lanes(col[u] + 2 * dp * BS, col[u] + (2 * dp + 1) * BS));
+    for (int64_t u0 = 0; u0 < ncols; u0 += NV) {
+        const int64_t nv = ncols - u0 < NV ? ncols - u0 : NV;
+        for (int64_t r0 = 0; r0 < rows; r0 += MRS) {
+            const int64_t mr = rows - r0 < MRS ? rows - r0 : MRS;
+            float *sr = s + r0 * KC + u0 * 16;
+            const uint32_t *qr = bf->q + r0 * (MAX_D / 2), *kr = bf->k + u0 * 16;
+            if (nv == NV && mr == MRS)
+                score_tile_bf16(sr, qr, kr, D, MRS, NV);
+            else
+                score_tile_bf16(sr, qr, kr, D, mr, nv);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void pv_tile_bf16(float *o, const uint32_t *p, const uint32_t *v,
+                                                               int64_t c, int64_t pairs, int64_t D, const int mr) {
+    __m512 acc[MR][4];
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < 4; u++) acc[i][u] = _mm512_loadu_ps(o + i * D + c + u * 16);
+    for (int64_t jp = 0; jp < pairs; jp++) {
+        __m512i vv[4];
+        for (int u = 0; u < 4; u++) vv[u] = _mm512_loadu_si512(v + jp * MAX_D + c + u * 16);
+        for (int i = 0; i < mr; i++) {
+            const __m512i pb = _mm512_set1_epi32((int)p[i * (KC / 2) + jp]);
+            for (int u = 0; u < 4; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)vv[u], (__m512bh)pb);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int u = 0; u < 4; u++) _mm512_storeu_ps(o + i * D + c + u * 16, acc[i][u]);
+}
+
+/* o[r] += sum_j s[r][j] value(k0 + j) through the pair scratch (an odd last key pairs with zeros:
+ * the slot after it may be unwritten) */
+static void values_bf16(float *o, const float *s, const pairs_t *bf, const float *const *vblk, int64_t kn,
+                        int64_t rows, int64_t D, int64_t BS) {
+    const int64_t pairs = (kn + 1) / 2;
+    for (int64_t jp = 0; jp < pairs; jp++) {
+        const int64_t j = 2 * jp;
+        const float *a = vblk[j / BS] + (j % BS) * D, *b = j + 1 < kn ? vblk[(j + 1) / BS] + ((j + 1) % BS) * D : zeros;
+        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_si512(bf->v + jp * MAX_D + c, pair_lanes(a + c, b + c));
+    }
+    for (int64_t r = 0; r < rows; r++) adjacent_pairs(bf->p + r * (KC / 2), s + r * KC, KC);
+    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        const int64_t mr = rows - r0 < MR ? rows - r0 : MR;
+        for (int64_t c = 0; c < D; c += 64) {
+            if (mr == MR)
+                pv_tile_bf16(o + r0 * D, bf->p + r0 * (KC / 2), bf->v, c, pairs, D, MR);
+            else
+                pv_tile_bf16(o + r0 * D, bf->p + r0 * (KC / 2), bf->v, c, pairs, D, mr);
+        }
+    }
+}
+#else
+#define BF16_PRODUCTS 0
+typedef struct {
+    uint32_t *q;
+} pairs_t;
+#define PAIRS_U32 0
+#endif
+
+/* One step of an online softmax: rows of query heads of KV head h (queries scaled, in qs;
+ * row r's running max m[r], sum l[r] and unnormalised output o[r]) over keys [k0, k0 + kn) of
+ * the sequence, each row within its own range [first[r], last[r]]. blocks[key / BS - b0] holds
+ * key's block (b0 > 0: a table that starts past the blocks nobody sees). s: scratch, KC per row.
+ * bf: NULL, or the bfloat16 products' scratch (its q filled: the rows' queries as pairs). */
+static inline void attend_keys(const float *qs, float *o, float *m, float *l, const int64_t *first,
+                               const int64_t *last, int64_t rows, float *s, const float *k, const float *v,
+                               const int64_t *blocks, int64_t b0, int64_t k0, int64_t kn, int64_t h, int64_t KVH,
+                               int64_t D, int64_t BS, const pairs_t *bf) {
+    /* scores: s[r][j] = qs[r] . key(k0 + j): MRS rows by NV vectors of keys per tile; the key
+     * vectors come from the step's cache blocks ([D][BS] each) */
+    const int64_t ncols = ((kn + BS - 1) / BS) * BS / VW;
+    const float *col[KC / VW];
+    for (int64_t u = 0; u < ncols; u++) {
+        const int64_t key = k0 + u * VW;
+        col[u] = k + (blocks[key / BS - b0] * KVH + h) * D * BS + key % BS;
+    }
+#if BF16_PRODUCTS
+    if (bf != NULL)
+        scores_bf16(s, bf, col, ncols, rows, D, BS);
+    else
+#endif
+    for (int64_t u0 = 0; u0 < ncols; u0 += NV) {
+        const int64_t nv = ncols - u0 < NV ? ncols - u0 : NV;
+        for (int64_t r0 = 0; r0 < rows; r0 += MRS) {
+            const int64_t mr = rows - r0 < MRS ? rows - r0 : MRS;
+            float *sr = s + r0 * KC + u0 * VW;
+            const float *qr = qs + r0 * D;
+            if (nv == NV && mr == MRS)
+                score_tile(sr, qr, col + u0, D, BS, MRS, NV);
+            else if (nv == NV && mr == 3) /* decode of three query heads per KV head (GQA 3:1) */
+                score_tile(sr, qr, col + u0, D, BS, 3, NV);
+            else
+                score_tile(sr, qr, col + u0, D, BS, mr, nv);
+        }
+    }
+    /* online softmax over this step's keys, row by row, within each row's range */
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t a = first[r] - k0, b = last[r] - k0 + 1;
+        a = a < 0 ? 0 : a;
+        b = b > kn ? kn : b;
+        float *sr = s + r * KC;
+        if (a >= b) {
+            memset(sr, 0, sizeof(float) * KC);
+            continue;
+        }
+        float mx = m[r];
+        for (int64_t j = a; j < b; j++) mx = sr[j] > mx ? sr[j] : mx;
+        const float c = expf(m[r] - mx);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < a; j++) sr[j] = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = a; j < b; j++) {
+            sr[j] = expf(sr[j] - mx);
+            sum += sr[j];
+        }
+        for (int64_t j = b; j < KC; j++) sr[j] = 0.0f;
+        l[r] = l[r] * c + sum;
+        m[r] = mx;
+        if (c != 1.0f)
+            for (int64_t d = 0; d < D; d++) o[r * D + d] *= c;
+    }
+    /* o[r] += sum_j s[r][j] value(k0 + j): MR rows by 4 vectors of D per tile, over all
+     * the step's keys before the tile goes back to memory */
+    const float *vblk[KC]; /* the step's value blocks */
+    for (int64_t j0 = 0; j0 < kn; j0 += BS) vblk[j0 / BS] = v + (blocks[(k0 + j0) / BS - b0] * KVH + h) * BS * D;
+#if BF16_PRODUCTS
+    if (bf != NULL) {
+        values_bf16(o, s, bf, vblk, kn, rows, D, BS);
+        return;
+    }
+#endif
+    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        const int64_t mr = rows - r0 < MR ? rows - r0 : MR;
+        for (int64_t c = 0; c < D; c += 4 * VW) {
+            if (mr == MR)
+                pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, MR);
+            else if (mr == 3)
+                pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, 3);
+            else
+                pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, mr);
+        }
+    }
+}
+
+/* One task: KV head h, positions [pb * PB, pb * PB + PB) of the chunk. */
+static void prefill_task(const float *q, const float *k, const float *v, const int64_t *blocks, float *out,
+                         float *qs, int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D,
+                         int64_t BS, int64_t q_stride, int64_t out_stride, float scale, int64_t pb, int64_t h,
+                         const pairs_t *bf) {
+    const int64_t G = H / KVH;
+    float *o = qs + ROWS * MAX_D, *s = o + ROWS * MAX_D;
+
+    const int64_t p0 = pb * PB, p1 = p0 + PB < n ? p0 + PB : n;
+    const int64_t rows = (p1 - p0) * G;
+    float m[ROWS], l[ROWS];
+    int64_t last[ROWS], first[ROWS]; /* each row's key range [first, last] (absolute) */
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t pos = p0 + r / G, g = r % G;
+        const float *qr = q + pos * q_stride + (h * G + g) * D;
+        for (int64_t d = 0; d < D; d++) qs[r * D + d] = qr[d] * scale;
+        memset(o + r * D, 0, sizeof(float) * D);
+        m[r] = -FLT_MAX;
+        l[r] = 0.0f;
+        last[r] = ctx + pos;
+        first[r] = window > 0 && ctx + pos - window + 1 > 0 ? ctx + pos - window + 1 : 0;
+    }
+#if BF16_PRODUCTS
+    if (bf != NULL)
+        for (int64_t r = 0; r < rows; r++) adjacent_pairs(bf->q + r * (MAX_D / 2), qs + r * D, D);
+#endif
+    const int64_t kbegin = (first[0] / BS) * BS, kend = ctx + p1;
+    for (int64_t k0 = kbegin; k0 < kend; k0 += KC)
+        attend_keys(qs, o, m, l, first, last, rows, s, k, v, blocks, 0, k0, kend - k0 < KC ? kend - k0 : KC, h,
+                    KVH, D, BS, bf);
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t pos = p0 + r / G, g = r % G;
+        float *orow = out + pos * out_stride + (h * G + g) * D;
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; d++) orow[d] = o[r * D + d] * inv;
+    }
+}
+
+/* Decode: one query of a request, KV heads [h0, h1), over its whole context (or its last
+ * `window` positions: then its table starts at the window's first block). Per step of KC keys,
+ * every head in turn, so the step's blocks are read while they are still in cache. */
+static void decode_task(const float *q, const float *k, const float *v, const int64_t *blocks, int64_t len,
+                        int64_t window, float *out, float *qs, int64_t h0, int64_t h1, int64_t G, int64_t KVH,
+                        int64_t D, int64_t BS, float scale) {
+    float *o = qs + ROWS * MAX_D, *s = o + ROWS * MAX_D;
+    const int64_t rows = (h1 - h0) * G, lo = window > 0 && len > window ? len - window : 0;
+    float m[ROWS], l[ROWS];
+    int64_t last[ROWS], first[ROWS];
+    for (int64_t r = 0; r < rows; r++) {
+        const float *qr = q + h0 * G * D + r * D;
+        for (int64_t d = 0; d < D; d++) qs[r * D + d] = qr[d] * scale;
+        memset(o + r * D, 0, sizeof(float) * D);
+        m[r] = -FLT_MAX;
+        l[r] = 0.0f;
+        first[r] = lo;
+        last[r] = len - 1;
+    }
+    const int64_t b0 = lo / BS;
+    for (int64_t k0 = b0 * BS; k0 < len; k0 += KC)
+        for (int64_t h = h0; h < h1; h++) {
+            const int64_t r = (h - h0) * G;
+            attend_keys(qs + r * D, o + r * D, m + r, l + r, first + r, last + r, G, s, k, v, blocks, b0, k0,
+                        len - k0 < KC ? len - k0 : KC, h, KVH, D, BS, NULL);
+        }
+    float *orow = out + h0 * G * D;
+    for (int64_t r = 0; r < rows; r++) {
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; d++) orow[r * D + d] = o[r * D + d] * inv;
+    }
+}
+
+/* Paged decode attention: one query token per request, the same tiles as the prefill (the G
+ * query heads of a KV head are the rows), so the shapes paged_attention_f32_fits takes.
+ *
+ *   q        [n, H, D]                  query of each request (after RoPE)
+ *   blocks   each request's block ids, request after request (with window > 0: from the block
+ *            holding its first visible position, as attention.windowed leaves them)
+ *   starts   [n + 1]                    request r owns blocks[starts[r] .. starts[r + 1])
+ *   lens     [n]                        context length of request r (its query included)
+ *   out      [n, H, D]
+ * Returns -1 when a thread's scratch could not be allocated (out is then incomplete), else 0. */
+int paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *blocks, const int64_t *starts,
+                     const int64_t *lens, float *out, int64_t n, int64_t window, int64_t H, int64_t KVH, int64_t D,
+                     int64_t BS, float scale) {
+    const int64_t G = H / KVH;
+    /* One task per request when there are enough of them (each step's blocks, all heads, read
+     * while in cache); with fewer requests than threads, each request's heads are split. */
+    const int64_t threads = omp_get_max_threads();
+    int64_t splits = n >= threads ? 1 : (threads + n - 1) / n;
+    splits = splits > KVH ? KVH : splits;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *qs = aligned_alloc(64, sizeof(float) * ROWS * (2 * MAX_D + KC));
+        failed = qs == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < n * splits; task++) {
+            const int64_t r = task / splits, part = task % splits;
+            if (qs != NULL)
+                decode_task(q + r * H * D, k, v, blocks + starts[r], lens[r], window, out + r * H * D, qs,
+                            part * KVH / splits, (part + 1) * KVH / splits, G, KVH, D, BS, scale);
+        }
+        free(qs);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Whether paged_prefill_f32 can multiply in bfloat16 (built for a processor with bf16 dot products). */
+int paged_prefill_bf16_products(void) { return BF16_PRODUCTS; }
+
+int paged_prefill_f32(const float *q, const float *k, const float *v, const int64_t *blocks, float *out,
+                       int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                       int64_t q_stride, int64_t out_stride, float scale, int64_t bf16_products) {
+    const int bf16 = BF16_PRODUCTS && bf16_products;
+    const int64_t pblocks = (n + PB - 1) / PB; /* tasks run last positions first: the most keys, so the
+                                                 * dynamic schedule ends balanced */
+    const int64_t tasks = pblocks * KVH;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        /* per thread: the task's queries (scaled) and outputs, row r at r * D; its scores, row r at r * KC */
+        const size_t floats = ROWS * (2 * MAX_D + KC);
+        float *qs = aligned_alloc(64, sizeof(float) * floats + (bf16 ? sizeof(uint32_t) * PAIRS_U32 : 0));
+        failed = qs == NULL;
+        pairs_t pairs = {(uint32_t *)(qs + floats)}, *bf = bf16 ? &pairs : NULL;
+#if BF16_PRODUCTS
+        pairs.k = pairs.q + ROWS * MAX_D / 2;
+        pairs.v = pairs.k + MAX_D / 2 * KC;
+        pairs.p = pairs.v + KC / 2 * MAX_D;
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (qs != NULL) prefill_task(q, k, v, blocks, out, qs, n, ctx, window, H, KVH, D, BS, q_stride,
+                                         out_stride, scale, pblocks - 1 - task / KVH, task % KVH, bf);
+        }
+        free(qs);
+    }
+    return failed ? -1 : 0;
+}
