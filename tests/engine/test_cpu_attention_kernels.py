@@ -1,11 +1,12 @@
 """The C attention kernels (csrc/cpu_attention.c) against dense softmax attention.
 
-Prefill: chunks from scratch, after cached context (chunked prefill, a prefix hit), windowed (Gemma 3's
-local layers), shorter and longer than one task's positions, over a shuffled block table whose
-unwritten slots hold NaN, with queries as a strided view into a fused projection (as the model
-passes them). Decode: batches of requests of mixed lengths (and one request alone, its heads
-split across threads), whole and windowed, over one shuffled cache. The same checks run once more in a fresh process with the kernels built for AVX2,
-so an AVX-512 machine also tests the path AVX2-only machines take.
+Prefill: chunks from scratch, after cached context (chunked prefill, a prefix hit), windowed
+(Gemma 3's local layers), shorter and longer than one task's positions, over a shuffled block table
+whose unwritten slots hold NaN, with queries as a strided view into a fused projection (as the model
+passes them); again with bfloat16 products. Decode: batches of requests of mixed lengths (and one
+request alone, its heads split across threads), whole and windowed, over one shuffled cache. The
+same checks run once more in a fresh process with the kernels built for AVX2, so an AVX-512 machine
+also tests the path AVX2-only machines take.
 """
 
 from __future__ import annotations
