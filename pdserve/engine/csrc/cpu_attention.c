@@ -293,6 +293,30 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
     }
 }
 
+/* A row's start: its query scaled into qs, its output zeroed; and its end: the output normalised. */
+static inline void start_row(float *qs, float *o, const float *q, int64_t D, float scale) {
+    for (int64_t d = 0; d < D; d++) qs[d] = q[d] * scale;
+    memset(o, 0, sizeof(float) * D);
+}
+static inline void finish_row(float *dst, const float *o, float l, int64_t D) {
+    const float inv = 1.0f / l;
+    for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
+}
+
+/* A thread's scratch: the task's queries (scaled) and outputs, row r at r * D; its scores, row r
+ * at r * KC; with bf16, the pairs after them. NULL when it cannot be allocated. */
+static float *alloc_scratch(int bf16, pairs_t *pairs) {
+    const size_t floats = ROWS * (2 * MAX_D + KC);
+    float *qs = aligned_alloc(64, sizeof(float) * floats + (bf16 ? sizeof(uint32_t) * PAIRS_U32 : 0));
+    pairs->q = (uint32_t *)(qs + floats);
+#if BF16_PRODUCTS
+    pairs->k = pairs->q + ROWS * MAX_D / 2;
+    pairs->v = pairs->k + MAX_D / 2 * KC;
+    pairs->p = pairs->v + KC / 2 * MAX_D;
+#endif
+    return qs;
+}
+
 /* One task: KV head h, positions [pb * PB, pb * PB + PB) of the chunk. */
 static void prefill_task(const float *q, const float *k, const float *v, const int64_t *blocks, float *out,
                          float *qs, int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D,
@@ -307,9 +331,7 @@ static void prefill_task(const float *q, const float *k, const float *v, const i
     int64_t last[ROWS], first[ROWS]; /* each row's key range [first, last] (absolute) */
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pos = p0 + r / G, g = r % G;
-        const float *qr = q + pos * q_stride + (h * G + g) * D;
-        for (int64_t d = 0; d < D; d++) qs[r * D + d] = qr[d] * scale;
-        memset(o + r * D, 0, sizeof(float) * D);
+        start_row(qs + r * D, o + r * D, q + pos * q_stride + (h * G + g) * D, D, scale);
         m[r] = -FLT_MAX;
         l[r] = 0.0f;
         last[r] = ctx + pos;
@@ -325,9 +347,7 @@ static void prefill_task(const float *q, const float *k, const float *v, const i
                     KVH, D, BS, bf);
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pos = p0 + r / G, g = r % G;
-        float *orow = out + pos * out_stride + (h * G + g) * D;
-        const float inv = 1.0f / l[r];
-        for (int64_t d = 0; d < D; d++) orow[d] = o[r * D + d] * inv;
+        finish_row(out + pos * out_stride + (h * G + g) * D, o + r * D, l[r], D);
     }
 }
 
@@ -342,9 +362,7 @@ static void decode_task(const float *q, const float *k, const float *v, const in
     float m[ROWS], l[ROWS];
     int64_t last[ROWS], first[ROWS];
     for (int64_t r = 0; r < rows; r++) {
-        const float *qr = q + h0 * G * D + r * D;
-        for (int64_t d = 0; d < D; d++) qs[r * D + d] = qr[d] * scale;
-        memset(o + r * D, 0, sizeof(float) * D);
+        start_row(qs + r * D, o + r * D, q + h0 * G * D + r * D, D, scale);
         m[r] = -FLT_MAX;
         l[r] = 0.0f;
         first[r] = lo;
@@ -357,11 +375,7 @@ static void decode_task(const float *q, const float *k, const float *v, const in
             attend_keys(qs + r * D, o + r * D, m + r, l + r, first + r, last + r, G, s, k, v, blocks, b0, k0,
                         len - k0 < KC ? len - k0 : KC, h, KVH, D, BS, NULL);
         }
-    float *orow = out + h0 * G * D;
-    for (int64_t r = 0; r < rows; r++) {
-        const float inv = 1.0f / l[r];
-        for (int64_t d = 0; d < D; d++) orow[r * D + d] = o[r * D + d] * inv;
-    }
+    for (int64_t r = 0; r < rows; r++) finish_row(out + h0 * G * D + r * D, o + r * D, l[r], D);
 }
 
 /* Paged decode attention: one query token per request, the same tiles as the prefill (the G
@@ -386,7 +400,8 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        float *qs = aligned_alloc(64, sizeof(float) * ROWS * (2 * MAX_D + KC));
+        pairs_t unused;
+        float *qs = alloc_scratch(0, &unused);
         failed = qs == NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < n * splits; task++) {
@@ -413,16 +428,9 @@ int paged_prefill_f32(const float *q, const float *k, const float *v, const int6
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        /* per thread: the task's queries (scaled) and outputs, row r at r * D; its scores, row r at r * KC */
-        const size_t floats = ROWS * (2 * MAX_D + KC);
-        float *qs = aligned_alloc(64, sizeof(float) * floats + (bf16 ? sizeof(uint32_t) * PAIRS_U32 : 0));
+        pairs_t pairs, *bf = bf16 ? &pairs : NULL;
+        float *qs = alloc_scratch(bf16, &pairs);
         failed = qs == NULL;
-        pairs_t pairs = {(uint32_t *)(qs + floats)}, *bf = bf16 ? &pairs : NULL;
-#if BF16_PRODUCTS
-        pairs.k = pairs.q + ROWS * MAX_D / 2;
-        pairs.v = pairs.k + MAX_D / 2 * KC;
-        pairs.p = pairs.v + KC / 2 * MAX_D;
-#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             if (qs != NULL) prefill_task(q, k, v, blocks, out, qs, n, ctx, window, H, KVH, D, BS, q_stride,
