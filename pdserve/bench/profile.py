@@ -252,7 +252,7 @@ def _layers(engine, blocks: int) -> list[tuple]:
     """The payload: each layer's keys and values of the first ``blocks`` blocks of the engine's cache
     (the prefill worker's snapshot of a prompt's blocks)."""
     cache = engine.runner.kv_cache
-    return [(cache[i, 0, :blocks].clone(), cache[i, 1, :blocks].clone()) for i in range(cache.shape[0])]
+    return [(cache[i, 0, :blocks].clone(), cache[i, 1, :blocks].clone()) for i in engine.runner.groups.layer_slot]
 
 
 def _send(session, layers) -> None:
@@ -321,7 +321,7 @@ def _local_transfers(engine, sizes: list[int], reps: int) -> list[tuple[int, flo
         blocks = -(-tokens // engine.block_size)
         layers = _layers(engine, blocks)
         hub = LocalHub()
-        receiver = KVReceiver(torch.empty((cache.shape[0], 2, blocks, *cache.shape[3:]), dtype=cache.dtype), layout)
+        receiver = KVReceiver(torch.empty((cfg.num_layers, 2, blocks, *cache.shape[3:]), dtype=cache.dtype), layout)
         hub.register("local://profile", receiver)
         for rep in range(reps + 1):
             receiver.expect(f"x{rep}", list(range(blocks)), 0, tokens, 60.0)

@@ -47,7 +47,7 @@ class DecodeServicer(WorkerServicer):
 
     def __init__(self, engine, worker_id, config, address):
         super().__init__(engine, worker_id, config, address)
-        self.receiver = KVReceiver(engine.engine.runner.kv_cache, self.layout)
+        self.receiver = KVReceiver(engine.engine.runner.kv_cache, self.layout, engine.engine.kv_groups)
         self._resumed: set[str] = set()
         self.torch_receiving = None  # the torch backend's receiving side, set by on_start
         self.backend_info: dict[str, str] = {}  # what a sender needs beyond kv_address (torch: the store)
@@ -113,10 +113,11 @@ class DecodeServicer(WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.encode_invalid(e))
         if got is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker {self.worker_id}: no KV blocks free")
-        block_ids, cached = got
+        block_ids, cached, group_block_ids = got
         lease_s = (request.lease_ms or self.config.kv_lease_ms) / 1000
         self.receiver.expect(request.request_id, block_ids, cached // self.layout.block_size,
-                             len(request.prompt_token_ids), lease_s, self.config.kv_reservation_ttl_ms / 1000)
+                             len(request.prompt_token_ids), lease_s, self.config.kv_reservation_ttl_ms / 1000,
+                             group_block_ids)
         return pb.ReserveResponse(handle=request.request_id, cached_tokens=cached, layout=self.layout.to_proto(pb),
                                   kv_address=self.address, backend=self.config.kv_backend,
                                   backend_info=self.backend_info)

@@ -93,10 +93,11 @@ class AsyncEngine:
 
     async def reserve(
         self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None = None
-    ) -> tuple[list[int], int] | None:
+    ) -> tuple[list[int], int, list[list[int]] | None] | None:
         """Reserve blocks for a prompt whose KV will be written from outside.
 
-        Returns (block ids, tokens already cached here), or None when there is no room.
+        Returns (block ids, tokens already cached here, every layer group's block ids or None with
+        one group), or None when there is no room.
         """
         self._check_alive()
         with self._lock:
@@ -213,7 +214,8 @@ class AsyncEngine:
             elif kind == "reserve":
                 request, future = arg
                 blocks = self.engine.reserve_remote_request(request)
-                result = None if blocks is None else (blocks, request.num_computed_tokens)
+                result = None if blocks is None else (
+                    blocks, request.num_computed_tokens, self.engine.kv.group_block_ids(request.request_id))
                 future.get_loop().call_soon_threadsafe(_resolve, future, result)
             elif kind == "resume":
                 self._resume(*arg)

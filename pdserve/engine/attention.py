@@ -71,6 +71,18 @@ class AttentionMetadata:
     window: int = 0
 
 
+@dataclass
+class GroupedMetadata:
+    """One step's metadata per KV layer group (see kv_cache_manager.KVGroups): the same tokens,
+    positions and masks, each group's own block ids."""
+
+    groups: list[AttentionMetadata]
+    layer_group: tuple[int, ...]  # the group of each layer
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        return self.groups[self.layer_group[layer]]
+
+
 def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
     """The metadata a sliding-window layer attends with: each decode request sees its last
     ``window`` positions (its own included, transformers' ``kv > q - window``), blocks wholly

@@ -30,6 +30,10 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    # Whether its hash is in the pool's events and snapshots (the router's prefix index). A block
+    # of a sliding-window layer group is cached under a key of its own that no router computes
+    # (see kv_cache_manager.HybridKVCacheManager).
+    published: bool = True
 
 
 @dataclass(frozen=True)
@@ -138,13 +142,16 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, publish: bool = True) -> None:
+        """Offer ``block`` to prefix hits under ``block_hash``; ``publish``: as an event too."""
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
+        block.published = publish
         if block_hash not in self._cached:
             self._cached[block_hash] = block
-            self.events.append("stored", (block_hash,))
+            if publish:
+                self.events.append("stored", (block_hash,))
 
     def _evict(self, block: KVCacheBlock) -> None:
         h = block.block_hash
@@ -153,7 +160,8 @@ class BlockPool:
         block.block_hash = None
         if self._cached.get(h) is block:
             del self._cached[h]
-            self.events.append("removed", (h,))
+            if block.published:
+                self.events.append("removed", (h,))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only possible when no block is in use."""
@@ -167,7 +175,8 @@ class BlockPool:
 
     def snapshot(self) -> KVSnapshot:
         """Every cached hash and the last event it reflects; call it on the thread that owns the pool."""
-        return KVSnapshot(self.events.epoch, self.events.last_seq, tuple(self._cached))
+        return KVSnapshot(self.events.epoch, self.events.last_seq,
+                          tuple(h for h, block in self._cached.items() if block.published))
 
     def num_referenced(self) -> int:
         return sum(1 for b in self.blocks if b.ref_cnt > 0)

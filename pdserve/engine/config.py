@@ -250,7 +250,8 @@ class EngineConfig:
     )
     block_size: int = doc(16, "tokens per KV-cache block")
     kv_cache_memory_gb: float = doc(2.0, "memory budget for the KV cache, in GiB")
-    num_kv_blocks: int | None = doc(None, "number of KV-cache blocks; overrides kv_cache_memory_gb")
+    num_kv_blocks: int | None = doc(None, "number of KV-cache blocks; overrides kv_cache_memory_gb (a block holds "
+                                    "block_size tokens of every layer, or of one layer group with sliding_window_kv)")
     max_model_len: int | None = doc(None, "longest prompt + output in tokens (default: the model's context)")
     max_num_batched_tokens: int = doc(2048, "token budget of one engine step (prefill chunks plus decodes)")
     max_num_seqs: int = doc(64, "cap on requests running at once")
@@ -258,6 +259,10 @@ class EngineConfig:
         "fcfs", "fcfs: admit in arrival order, preempt the latest admitted; priority: admit by (priority, arrival), "
                 "preempt the lowest class first (the router sets priority from service_tier)")
     enable_prefix_caching: bool = doc(True, "reuse the KV of full blocks shared with earlier prompts")
+    sliding_window_kv: bool = doc(
+        True, "for a model with sliding-window layers (Gemma 3): keep only the blocks inside the window for "
+        "those layers, freeing the rest as decoding moves on (block tables per layer group, as vLLM's hybrid "
+        "allocator); off: every layer keeps every block (CPU only; a CUDA engine keeps every block)")
     seed: int = doc(0, "seed for random weights and for sampling of requests without their own seed")
     num_threads: int | None = doc(None, "torch intra-op threads (default: torch's choice, one per core)")
     cpu_isa: Literal["auto", "baseline", "avx2", "avx512", "avx512_bf16", "amx"] = doc(

@@ -22,7 +22,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_isa import select_isa
 from pdserve.engine.cpu_kernels import keep_freed_memory
-from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.kv_cache_manager import HybridKVCacheManager, KVCacheManager, kv_groups
 from pdserve.engine.loader import LoadedModel, load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput, RequestStatus
@@ -114,21 +114,33 @@ class LLMEngine:
         self.model_name = self.loaded.source.name
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.block_size = config.block_size
-        block_bytes = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size
+        # Layer groups with block tables of their own: a sliding-window model's local layers keep
+        # only their window (the CUDA path, graphs and Triton kernels, takes one table).
+        self.kv_groups = kv_groups(cfg, config.sliding_window_kv and config.device == "cpu")
+        # A block holds one group's layers (all of them with one group).
+        slots = self.kv_groups.num_slots
+        block_bytes = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size * slots // cfg.num_layers
         if config.kv_cache_dtype != "auto":  # one byte per element, plus a float32 scale per token and head
             from pdserve.engine.kv_quant import row_width
 
-            block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * row_width(config.block_size, cfg.head_dim)
+            block_bytes = 2 * slots * cfg.num_kv_heads * row_width(config.block_size, cfg.head_dim)
+        self.kv_block_bytes = block_bytes
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // block_bytes)
         if num_blocks < 1:
             raise InvalidRequestError("kv_cache_memory_gb", f"{config.kv_cache_memory_gb} GiB holds no block")
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                 self.loaded.fingerprint)
+        if self.kv_groups.num_groups > 1:
+            if num_blocks < 2:
+                raise InvalidRequestError("num_kv_blocks", "layer groups need 2 blocks or more (one is the null block)")
+            self.kv = HybridKVCacheManager(num_blocks, config.block_size, self.kv_groups,
+                                           config.enable_prefix_caching, self.loaded.fingerprint)
+        else:
+            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                     self.loaded.fingerprint)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.scheduling_policy)
         self.runner = ModelRunner(
             self.loaded.model, num_blocks, config.block_size, config.seed, config.attention_backend,
-            config.kv_cache_dtype,
+            config.kv_cache_dtype, self.kv_groups,
         )
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = (make_proposer(self.spec_config, self.runner, config, cfg.vocab_size)
@@ -202,7 +214,7 @@ class LLMEngine:
                 f"max_tokens asks for {params.max_tokens} more", code="context_length_exceeded",
             )
         self._check_ids(ids, "prompt")
-        if cdiv(n + 1, self.block_size) > self.kv.num_blocks:
+        if not self.kv.fits(n + 1, self.block_size):  # alone, a prompt is computed in chunks as small as that
             raise InvalidRequestError("prompt", f"{n} tokens do not fit in the KV cache ({self.kv.num_blocks} blocks)")
 
     def _check_ids(self, ids: list[int], field: str) -> None:

@@ -11,7 +11,10 @@ What differs from ``model.LlamaForCausalLM``, as transformers' ``Gemma3ForCausal
 - the embedding scaled by ``sqrt(hidden_size)``; a GELU (tanh) MLP;
 - attention scaled by ``query_pre_attn_scalar ** -0.5``.
 
-The KV cache keeps every block of every layer here: the sliding window is a mask over them.
+The attention of a sliding-window layer reads only its window's blocks. Which blocks the cache
+keeps is the KV cache manager's: every block of every layer with one block table, or, with layer
+groups (``HybridKVCacheManager``), only the window's blocks for the local layers; ``meta`` is then
+a ``GroupedMetadata`` with each group's block ids.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.attention import AttentionBackend, AttentionMetadata, windowed
+from pdserve.engine.attention import AttentionBackend, AttentionMetadata, GroupedMetadata, windowed
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model import MLP, Attention, Linear, LlamaForCausalLM, RMSNorm, RotaryEmbedding, apply_rope
 
@@ -108,21 +111,23 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | GroupedMetadata,
         backend: AttentionBackend,
         layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` before the final norm (see ``LlamaForCausalLM.forward``)."""
         x = self.embed(input_ids)
         rot_global, rot_local = self.rope(positions), self.rope_local(positions)
-        local_meta = None
+        views: dict[tuple[int, bool], AttentionMetadata] = {}  # (group, sliding) -> the layer's metadata
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            if layer.sliding:
-                if local_meta is None:
-                    local_meta = windowed(meta, self.config.sliding_window)
-                x = layer(x, rot_local, k_cache, v_cache, local_meta, backend)
-            else:
-                x = layer(x, rot_global, k_cache, v_cache, meta, backend)
+            group = meta.layer_group[i] if isinstance(meta, GroupedMetadata) else 0
+            layer_meta = views.get((group, layer.sliding))
+            if layer_meta is None:
+                layer_meta = meta.groups[group] if isinstance(meta, GroupedMetadata) else meta
+                if layer.sliding:
+                    layer_meta = windowed(layer_meta, self.config.sliding_window)
+                views[group, layer.sliding] = layer_meta
+            x = layer(x, rot_local if layer.sliding else rot_global, k_cache, v_cache, layer_meta, backend)
             if layer_done is not None:
                 layer_done(i)
         return x

@@ -4,18 +4,29 @@
 ``[num_layers, 2, num_blocks, num_kv_heads, block_size * head_dim]``; layer ``l`` reads and
 writes ``cache[l, 0]`` (keys, each block transposed: ``[head_dim, block_size]``) and
 ``cache[l, 1]`` (values, ``[block_size, head_dim]``); see attention.py.
+
+With layer groups (a sliding-window model, see kv_cache_manager.KVGroups) the first dimension
+is the groups' layer slots: layer ``l`` uses ``cache[groups.layer_slot[l]]`` at the blocks of
+its group's table, and each step's metadata is built once per group (``GroupedMetadata``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, CpuPagedAttention, PrefillChunk, get_backend
+from pdserve.engine.attention import (
+    AttentionMetadata,
+    CpuPagedAttention,
+    GroupedMetadata,
+    PrefillChunk,
+    get_backend,
+)
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cuda_graphs import CudaGraphRunner
-from pdserve.engine.kv_cache_manager import cdiv
+from pdserve.engine.kv_cache_manager import KVGroups, cdiv
 from pdserve.engine.model import LlamaForCausalLM
 from pdserve.engine.sampler import Sampler, token_logprobs
 from pdserve.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
@@ -40,10 +51,11 @@ class _RowView:
         return len(self.output_token_ids)
 
 
-def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device="cpu") -> torch.Tensor:
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device="cpu",
+                      num_slots: int | None = None) -> torch.Tensor:
     # Not zeroed: zeroing gigabytes costs seconds at start-up (every page faulted in), and no
     # reader trusts a slot it did not write (the torch decode path zeroes the values it masks).
-    shape = (cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size * cfg.head_dim)
+    shape = (num_slots or cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size * cfg.head_dim)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -56,27 +68,32 @@ class ModelRunner:
         seed: int = 0,
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
+        kv_groups: KVGroups | None = None,
     ):
         cfg = model.config
+        # One group unless given: every layer its own slot, one block table.
+        self.groups = kv_groups or KVGroups.one(cfg.num_layers)
         self.model = model
         self.block_size = block_size
         self.dtype = model.norm.weight.dtype  # the activations' (quantized weights, bf16 too, differ from it)
         self.device = next(model.parameters()).device
         nb, kvh, hd = num_blocks, cfg.num_kv_heads, cfg.head_dim
         self.kv_cache_dtype = kv_cache_dtype
+        slots = self.groups.layer_slot
         if kv_cache_dtype == "auto":
-            self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, self.dtype, self.device)
+            self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, self.dtype, self.device,
+                                              self.groups.num_slots)
             self.layer_caches = [
                 (self.kv_cache[i, 0].view(nb, kvh, hd, block_size), self.kv_cache[i, 1].view(nb, kvh, block_size, hd))
-                for i in range(cfg.num_layers)
+                for i in slots
             ]
         else:  # quantized: bytes, each block's scales inside it (see kv_quant.py)
             from pdserve.engine import kv_quant
 
-            self.kv_cache = kv_quant.allocate_quantized_cache(cfg.num_layers, nb, kvh, block_size, hd, self.device)
+            self.kv_cache = kv_quant.allocate_quantized_cache(self.groups.num_slots, nb, kvh, block_size, hd,
+                                                              self.device)
             qdtype = kv_quant.KV_CACHE_DTYPES[kv_cache_dtype]
-            self.layer_caches = [kv_quant.layer_views(self.kv_cache, i, qdtype, block_size, hd)
-                                 for i in range(cfg.num_layers)]
+            self.layer_caches = [kv_quant.layer_views(self.kv_cache, i, qdtype, block_size, hd) for i in slots]
         # Called before each step with the step's items; returns what to call after each layer
         # (see LlamaForCausalLM.forward), or None when nothing is wanted from this step's layers.
         self.layer_hook: Callable[[list[ScheduledRequest]], Callable[[int], None] | None] | None = None
@@ -198,6 +215,7 @@ class ModelRunner:
         last_rows: list[int] = []
         dec_blocks: list[int] = []
         dec_req: list[int] = []
+        dec_req_items: list[int] = []  # the item (index into ``items``) of each flat block
         dec_block_index: list[int] = []
         dec_block_ctx: list[int] = []
         dec_starts: list[int] = [0]
@@ -220,6 +238,7 @@ class ModelRunner:
                 nblocks = cdiv(ctx, bs)
                 dec_blocks.extend(table[:nblocks])
                 dec_req.extend([num_decodes] * nblocks)
+                dec_req_items.extend([len(last_rows) - 1] * nblocks)
                 dec_block_index.extend(range(nblocks))
                 dec_block_ctx.extend([ctx] * nblocks)
                 dec_starts.append(dec_starts[-1] + nblocks)
@@ -242,4 +261,30 @@ class ModelRunner:
             decode_lens=torch.tensor(dec_lens, dtype=torch.long),
             prefills=prefills,
         )
+        if self.groups.num_groups > 1:
+            meta = self._grouped(items, meta, pos, dec_req_items, dec_block_index)
         return torch.tensor(ids, dtype=torch.long), positions, meta, last_rows
+
+    def _grouped(self, items: list[ScheduledRequest], meta: AttentionMetadata, pos: list[int],
+                 dec_items: list[int], dec_block_index: list[int]) -> GroupedMetadata:
+        """The step's metadata per layer group: the same positions and masks, each group's block ids
+        (``meta`` was built from the first group's tables)."""
+        bs = self.block_size
+        slot_items = [i for i, item in enumerate(items) for _ in range(item.num_tokens)]
+        slot_index = torch.tensor(pos, dtype=torch.long) // bs
+        slot_rows = torch.tensor(slot_items, dtype=torch.long)
+        dec_rows, dec_index = torch.tensor(dec_items, dtype=torch.long), torch.tensor(dec_block_index, dtype=torch.long)
+        prefill_items = [i for i, item in enumerate(items) if item.num_tokens != 1]
+        width = max(len(item.group_block_ids[0]) for item in items)
+        metas = [meta]
+        for g in range(1, self.groups.num_groups):
+            table = torch.zeros(len(items), width, dtype=torch.long)  # 0: the null block's id
+            for i, item in enumerate(items):
+                ids = item.group_block_ids[g]
+                table[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            chunks = [dataclasses.replace(c, block_ids=table[i, : len(c.block_ids)])
+                      for i, c in zip(prefill_items, meta.prefills)]
+            metas.append(dataclasses.replace(
+                meta, slot_blocks=table[slot_rows, slot_index], decode_block_ids=table[dec_rows, dec_index],
+                prefills=chunks))
+        return GroupedMetadata(metas, self.groups.layer_group)

@@ -38,6 +38,9 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec: int = 0
     draft_probs: object = None  # [num_spec, vocab] draft distribution (None: proposals are one-hot)
+    # With layer groups (a sliding-window model's cache, see kv_cache_manager): every group's
+    # table, block_ids being the first's; None with one group.
+    group_block_ids: list[list[int]] | None = None
 
     def shrink_spec(self, num_spec: int) -> None:
         """Give back reserved proposal slots the proposer did not fill."""
@@ -225,7 +228,13 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(request) if fresh and request.prompt_logprobs is None else []
             num_computed = request.num_computed_tokens + len(hits) * bs
             num_new = min(request.num_tokens - num_computed, budget)
-            if self.kv.allocate_slots(request, num_new, hits) is None:
+            got = self.kv.allocate_slots(request, num_new, hits)
+            while got is None and not self.running and num_new > bs:
+                # Alone and still short: with sliding-window layers a smaller chunk needs fewer
+                # blocks (their window, not the whole chunk); with one table it needs as many.
+                num_new = max(bs, num_new // 2)
+                got = self.kv.allocate_slots(request, num_new, hits)
+            if got is None:
                 if self.running or not self._release_waiting_blocks(request):
                     break  # running requests will free blocks (or preempt each other)
                 continue  # the head again, with the blocks a request behind it gave back
@@ -263,6 +272,7 @@ class Scheduler:
             start=start,
             num_tokens=num_new + num_spec,
             block_ids=self.kv.block_ids(request.request_id),
+            group_block_ids=self.kv.group_block_ids(request.request_id),
             sample=sample,
             spec_token_ids=request.spec_token_ids[:num_spec],
             num_spec=num_spec,

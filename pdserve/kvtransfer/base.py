@@ -72,26 +72,37 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     version: int = WIRE_VERSION
+    # Per layer, the window whose blocks the cache keeps (0: every block); () when every layer
+    # keeps every block. A layer with a window is sent only the blocks the next position's
+    # window sees (``first_block``); the rest its receiver holds no block for.
+    layer_windows: tuple[int, ...] = ()
 
     def mismatch(self, other: KVLayout) -> str | None:
         """A message naming every field that differs, with both sides' values; None if equal."""
         diffs = [f"{f}: sender {getattr(other, f)!r}, receiver {getattr(self, f)!r}"
                  for f in ("version", "model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads",
-                           "head_dim") if getattr(self, f) != getattr(other, f)]
+                           "head_dim", "layer_windows") if getattr(self, f) != getattr(other, f)]
         return "KV layout mismatch (" + "; ".join(diffs) + ")" if diffs else None
 
     @property
     def block_elements(self) -> int:
         return self.block_size * self.num_kv_heads * self.head_dim
 
+    def first_block(self, layer: int, num_tokens: int) -> int:
+        """The first block of ``layer`` a transfer of a ``num_tokens`` prompt carries: 0, or for a
+        windowed layer the one holding the first position the next token's window sees."""
+        window = self.layer_windows[layer] if self.layer_windows else 0
+        return max(0, num_tokens - window + 1) // self.block_size if window else 0
+
     def to_proto(self, pb):
         return pb.KVLayout(version=self.version, model_fingerprint=self.model_fingerprint, dtype=self.dtype,
                            block_size=self.block_size, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                           head_dim=self.head_dim)
+                           head_dim=self.head_dim, layer_windows=self.layer_windows)
 
     @classmethod
     def from_proto(cls, m) -> KVLayout:
-        return cls(m.model_fingerprint, m.dtype, m.block_size, m.num_layers, m.num_kv_heads, m.head_dim, m.version)
+        return cls(m.model_fingerprint, m.dtype, m.block_size, m.num_layers, m.num_kv_heads, m.head_dim, m.version,
+                   tuple(m.layer_windows))
 
 
 def checksum(*parts: bytes | memoryview) -> int:

@@ -1,6 +1,7 @@
 """The receiving side: reserved blocks waiting for their KV, written as chunks arrive.
 
     receiver.expect(handle, block_ids, skip_blocks, num_tokens, lease_s)  # at reservation
+                                                   # (block tables per layer group: group_block_ids)
     receiver.begin(handle, sender_layout, total_tokens)  # handshake: layouts, token counts must match
     receiver.chunk(handle, layer, first_block, keys, values, crc)  # any order, any thread; each block
                                                                    # once; each renews the lease
@@ -10,6 +11,10 @@
 Chunks are written straight into the reserved blocks of the cache: nothing else reads those
 blocks until the transfer is done (they are not offered to prefix hits), so writing from the
 transfer's thread while the engine steps is safe.
+
+A cache with layer groups (kv_cache_manager.KVGroups: a sliding-window model) has a block table
+per group: layer ``l`` is written into slot ``layer_slot[l]`` of the cache at its group's blocks,
+and a windowed layer expects only the blocks from ``layout.first_block(l, num_tokens)`` on.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pdserve.engine.kv_cache_manager import KVGroups
 from pdserve.kvtransfer.base import KVLayout, TransferError, TransferState, checksum
 
 
@@ -44,17 +50,16 @@ class Incoming:
     bytes: int = 0
     seen: dict[int, set[int]] = field(default_factory=dict)  # layer -> block indices received
     done: Future = field(default_factory=Future)
-
-    @property
-    def expected_blocks(self) -> int:
-        return len(self.block_ids) - self.skip_blocks
+    tables: list[list[int]] = field(default_factory=list)  # per layer group; [block_ids] with one group
 
 
 class KVReceiver:
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout):
-        """``kv_cache``: the engine's ``[layers, 2, blocks, kv_heads, block_size * head_dim]`` tensor."""
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, groups: KVGroups | None = None):
+        """``kv_cache``: the engine's ``[layer slots, 2, blocks, kv_heads, block_size * head_dim]``
+        tensor; ``groups``: its layer groups (None: one, a slot per layer)."""
         self.kv_cache = kv_cache
         self.layout = layout
+        self.groups = groups or KVGroups.one(layout.num_layers)
         self._incoming: dict[str, Incoming] = {}
         self._lock = threading.Lock()
         # Chunks are bytes in the cache's own layout, whatever its dtype (numpy has no bfloat16):
@@ -63,7 +68,7 @@ class KVReceiver:
         self._block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
 
     def expect(self, handle: str, block_ids: list[int], skip_blocks: int, num_tokens: int, lease_s: float,
-               wait_s: float | None = None) -> Incoming:
+               wait_s: float | None = None, group_block_ids: list[list[int]] | None = None) -> Incoming:
         """Reserve ``block_ids`` (a prompt of ``num_tokens``) for ``handle``: they wait ``wait_s``
         (default ``lease_s``) for the transfer to begin (the prompt may queue on a busy prefill
         worker); then the transfer fails once ``lease_s`` pass without a chunk.
@@ -74,7 +79,8 @@ class KVReceiver:
         catch is a sender that stopped, not one that computes."""
         wait = lease_s if wait_s is None else max(wait_s, lease_s)
         incoming = Incoming(handle, list(block_ids), skip_blocks, num_tokens, time.monotonic() + wait, lease_s, wait)
-        if incoming.expected_blocks == 0:  # everything was cached here already
+        incoming.tables = [list(t) for t in group_block_ids] if group_block_ids else [incoming.block_ids]
+        if not any(self._wanted(incoming, layer) for layer in range(self.layout.num_layers)):  # all cached here
             self._finish(incoming, TransferState.DONE)
         with self._lock:
             self._incoming[handle] = incoming
@@ -117,9 +123,10 @@ class KVReceiver:
         if crc is not None and not isinstance(keys, torch.Tensor) and checksum(keys, values) != crc:
             raise self._failure(handle, "checksum", f"layer {layer}, blocks from {first_block}: checksum mismatch")
         n = self._check_range(incoming, layer, first_block, keys, values)
-        blocks = incoming.block_ids[first_block : first_block + n]
-        self._write(layer, 0, blocks, keys)
-        self._write(layer, 1, blocks, values)
+        blocks = incoming.tables[self.groups.layer_group[layer]][first_block : first_block + n]
+        slot = self.groups.layer_slot[layer]
+        self._write(slot, 0, blocks, keys)
+        self._write(slot, 1, blocks, values)
         incoming.bytes += 2 * n * self._block_bytes
         incoming.seen.setdefault(layer, set()).update(range(first_block, first_block + n))
         incoming.deadline = time.monotonic() + incoming.lease_s  # progress renews the lease
@@ -133,23 +140,30 @@ class KVReceiver:
         problem = None
         if nk != nv or nk % self._block_bytes:
             problem = f"keys ({nk} bytes) and values ({nv} bytes) are not the same whole number of blocks"
-        elif not 0 <= layer < self.layout.num_layers or first_block < incoming.skip_blocks or \
-                first_block + n > len(incoming.block_ids):
+        elif not 0 <= layer < self.layout.num_layers or not set(range(first_block, first_block + n)) <= \
+                (wanted := self._wanted(incoming, layer)):
+            span = f"[{min(wanted)}, {max(wanted) + 1})" if 0 <= layer < self.layout.num_layers and wanted else "none"
             problem = f"layer {layer} blocks [{first_block}, {first_block + n}) are outside the reservation " \
-                      f"(blocks [{incoming.skip_blocks}, {len(incoming.block_ids)}) of {self.layout.num_layers} layers)"
+                      f"(blocks {span} of layer {layer}; {self.layout.num_layers} layers)"
         elif incoming.seen.get(layer, set()).intersection(range(first_block, first_block + n)):
             problem = f"layer {layer}: blocks of [{first_block}, {first_block + n}) were sent twice"
         if problem:
             raise self._failure(incoming.handle, "range", problem)
         return n
 
-    def _write(self, layer: int, kv: int, blocks: list[int], data) -> None:
-        """One chunk's keys (``kv`` 0) or values (1) into ``blocks`` of ``layer``."""
+    def _wanted(self, incoming: Incoming, layer: int) -> set[int]:
+        """The block indices of ``layer`` the transfer must bring: from the first not cached here
+        (and, for a windowed layer, not before its window) to the end of the prompt."""
+        first = max(incoming.skip_blocks, self.layout.first_block(layer, incoming.num_tokens))
+        return set(range(first, len(incoming.block_ids)))
+
+    def _write(self, slot: int, kv: int, blocks: list[int], data) -> None:
+        """One chunk's keys (``kv`` 0) or values (1) into ``blocks`` of the cache's layer ``slot``."""
         if self._cache_bytes is not None and not isinstance(data, torch.Tensor):
             rows = np.frombuffer(data, dtype=np.uint8).reshape(len(blocks), -1)
-            self._cache_bytes[layer, kv].reshape(self.kv_cache.shape[2], -1)[blocks] = rows
+            self._cache_bytes[slot, kv].reshape(self.kv_cache.shape[2], -1)[blocks] = rows
             return
-        dst = self.kv_cache[layer, kv].view(torch.uint8).view(self.kv_cache.shape[2], -1)
+        dst = self.kv_cache[slot, kv].view(torch.uint8).view(self.kv_cache.shape[2], -1)
         if isinstance(data, torch.Tensor):
             src = data.contiguous().view(torch.uint8)
         else:  # torch.tensor copies: a tensor over the message's read-only bytes is refused
@@ -159,8 +173,8 @@ class KVReceiver:
 
     def commit(self, handle: str) -> None:
         incoming = self.get(handle)
-        want = set(range(incoming.skip_blocks, len(incoming.block_ids)))
-        missing = [layer for layer in range(self.layout.num_layers) if incoming.seen.get(layer, set()) != want]
+        missing = [layer for layer in range(self.layout.num_layers)
+                   if incoming.seen.get(layer, set()) != self._wanted(incoming, layer)]
         if missing:
             raise self._failure(handle, "incomplete", f"commit with layers {missing[:5]} incomplete")
         incoming.deadline = time.monotonic() + incoming.wait_s  # the KV is here: it waits for its request

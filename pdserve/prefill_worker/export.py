@@ -17,6 +17,11 @@ completes it, so every block goes exactly once, with its final content. Blocks t
 already caches (``skip_blocks``) never go; blocks this worker had cached (its own prefix hit)
 go with the first step's.
 
+With layer groups (a sliding-window model, kv_cache_manager.KVGroups), each layer's blocks come
+from its group's table and slot of the cache, and a windowed layer sends only the blocks the
+window of the position after the prompt sees (``KVLayout.first_block``): the rest the
+destination holds no block for.
+
 Why a copy on the engine thread: once the step that completes the prompt ends, the request
 finishes (it asked for one token) and its blocks return to the pool; a preempted or aborted
 request's blocks do too; a block shared through the prefix cache may be evicted as soon as no
@@ -70,12 +75,13 @@ class Export:
 
 @dataclass
 class _StepSend:
-    """One request's share of one step: blocks ``[first, first + len(ids))`` of every layer."""
+    """One request's share of one step: per layer group, blocks ``[first, first + len(ids))`` of
+    each of the group's layers."""
 
     export: Export
     request_id: str
-    first: int
-    ids: torch.Tensor | None  # cache block ids, on the cache's device; None: no block, only the commit
+    # per group: (first, cache block ids on the cache's device); ids None: no block of the group
+    parts: list[tuple[int, torch.Tensor | None]]
     last: bool  # the step completes the prompt: commit after the last layer
 
 
@@ -121,7 +127,7 @@ class KVExporter:
         then calls nothing per layer, and a decode-only step may replay a CUDA graph)."""
         if not self._exports:
             return None
-        device = self.runner.kv_cache.device
+        device, groups = self.runner.kv_cache.device, self.runner.groups
         sends = []
         with self._lock:
             for item in items:
@@ -131,24 +137,31 @@ class KVExporter:
                 if part is None:
                     continue
                 first, end, last = part
-                # The cache's device: index_select on a CUDA cache refuses a CPU index.
-                ids = torch.tensor(item.block_ids[first:end], dtype=torch.long, device=device) if end > first else None
-                sends.append(_StepSend(export, rid, first, ids, last))
+                tables = item.group_block_ids or [item.block_ids]
+                parts = []
+                for g, table in enumerate(tables):
+                    start = max(first, groups.first_block(g, export.num_prompt_tokens, self.block_size))
+                    # The cache's device: index_select on a CUDA cache refuses a CPU index.
+                    ids = torch.tensor(table[start:end], dtype=torch.long, device=device) if end > start else None
+                    parts.append((start, ids))
+                sends.append(_StepSend(export, rid, parts, last))
         if not sends:
             return None
         return lambda layer: self._on_layer(layer, sends)
 
     def _on_layer(self, layer: int, sends: list[_StepSend]) -> None:
         """After ``layer`` wrote this step's KV: snapshot the completed blocks, hand them over."""
-        layer_cache = self.runner.kv_cache[layer]  # [2, blocks, ...]: keys, values
+        groups = self.runner.groups
+        layer_cache = self.runner.kv_cache[groups.layer_slot[layer]]  # [2, blocks, ...]: keys, values
         for s in sends:
-            if s.ids is not None:
-                snapshot = layer_cache.index_select(1, s.ids)
+            first, ids = s.parts[groups.layer_group[layer]]
+            if ids is not None:
+                snapshot = layer_cache.index_select(1, ids)
                 ready = None
                 if snapshot.device.type == "cuda":  # the copy runs on the engine's stream: mark its end
                     ready = torch.cuda.Event()
                     ready.record()
-                self._queue.put(("send", s.export, (layer, s.first, snapshot, ready)))
+                self._queue.put(("send", s.export, (layer, first, snapshot, ready)))
             if s.last and layer == self.last_layer:
                 with self._lock:  # a cancelled transfer never commits; after this, a cancel finds nothing
                     if self._exports.get(s.request_id) is s.export:

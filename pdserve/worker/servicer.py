@@ -44,8 +44,9 @@ def engine_layout(engine: LLMEngine) -> KVLayout:
     """The KV-cache layout an engine holds: what a transfer's two sides must agree on."""
     cfg = engine.model_config
     kv_dtype = engine.config.dtype if engine.config.kv_cache_dtype == "auto" else engine.config.kv_cache_dtype
+    groups = engine.kv_groups
     return KVLayout(engine.loaded.fingerprint, kv_dtype, engine.block_size, cfg.num_layers,
-                    cfg.num_kv_heads, cfg.head_dim)
+                    cfg.num_kv_heads, cfg.head_dim, layer_windows=groups.layer_windows if groups.num_groups > 1 else ())
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):

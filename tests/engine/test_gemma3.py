@@ -67,7 +67,8 @@ def test_short_prompts_match_transformers(gemma):
 @pytest.mark.slow
 @pytest.mark.parametrize("step_tokens", [2048, 384])  # whole prompts, and chunks that cross the window
 def test_prompts_longer_than_the_window_match_transformers(gemma, step_tokens):
-    engine = LLMEngine(EngineConfig(model="gemma-3-270m", num_kv_blocks=512, max_num_batched_tokens=step_tokens,
+    # A block holds one layer group (3 of the 18 layers): 3072 blocks are 512 of every layer.
+    engine = LLMEngine(EngineConfig(model="gemma-3-270m", num_kv_blocks=3072, max_num_batched_tokens=step_tokens,
                                     load_progress=False), loaded=gemma)
     cases = [c for c in REFERENCE["cases"] if c.get("long")]
     assert all(len(c["prompt"]) > 1500 for c in cases)

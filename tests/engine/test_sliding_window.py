@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pdserve.engine.attention import CpuPagedAttention, TorchPagedAttention, windowed
+from pdserve.engine.kv_cache_manager import KVGroups
 from pdserve.engine.model_runner import ModelRunner
 
 HEADS, KV_HEADS, HEAD_DIM, BS = 4, 1, 32, 4
@@ -45,6 +46,7 @@ def runner_meta(items):
     """The runner's own metadata for these items (prepare_inputs does not touch the model)."""
     runner = ModelRunner.__new__(ModelRunner)
     runner.block_size = BS
+    runner.groups = KVGroups.one(1)
     return ModelRunner.prepare_inputs(runner, items)[2]
 
 

@@ -41,12 +41,13 @@ class RecordingSession:
 def open_transfer(prefill, decode, rid: str, prompt: list[int]):
     """A reservation on ``decode`` and a recording local session to it; (receiver, session, exporter)."""
     hub = LocalHub()
-    receiver = KVReceiver(decode.runner.kv_cache, layout_of(decode))
+    receiver = KVReceiver(decode.runner.kv_cache, layout_of(decode), decode.kv_groups)
     hub.register("local://decode", receiver)
     request = decode.make_request(rid, prompt, GREEDY)
     assert decode.reserve_remote_request(request) is not None
     skip = request.num_computed_tokens // decode.block_size
-    receiver.expect(rid, decode.kv.block_ids(rid), skip, len(prompt), 30.0)
+    receiver.expect(rid, decode.kv.block_ids(rid), skip, len(prompt), 30.0,
+                    group_block_ids=decode.kv.group_block_ids(rid))
     session = RecordingSession(LocalSender(hub).open(SimpleNamespace(kv_address="local://decode", handle=rid),
                                                      layout_of(prefill), len(prompt)))
     exporter = KVExporter(prefill.runner, prefill.block_size, prefill.model_config.num_layers)

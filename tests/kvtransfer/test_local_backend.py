@@ -38,7 +38,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def disaggregated(prefill, decode, ps, params=GREEDY, lease_s=30.0) -> dict[str, list[int]]:
     hub = LocalHub()
-    receiver = KVReceiver(decode.runner.kv_cache, layout_of(decode))
+    receiver = KVReceiver(decode.runner.kv_cache, layout_of(decode), decode.kv_groups)
     hub.register("local://decode", receiver)
     exporter = KVExporter(prefill.runner, prefill.block_size, prefill.model_config.num_layers)
     sender = LocalSender(hub)
@@ -48,7 +48,8 @@ def disaggregated(prefill, decode, ps, params=GREEDY, lease_s=30.0) -> dict[str,
         request = decode.make_request(rid, p, params)
         assert decode.reserve_remote_request(request) is not None
         skip = request.num_computed_tokens // decode.block_size
-        receiver.expect(rid, decode.kv.block_ids(rid), skip, len(p), lease_s)
+        receiver.expect(rid, decode.kv.block_ids(rid), skip, len(p), lease_s,
+                        group_block_ids=decode.kv.group_block_ids(rid))
         sessions[rid] = sender.open(SimpleNamespace(kv_address="local://decode", handle=rid), layout_of(prefill),
                                     len(p))
         exporter.add(rid, Export(sessions[rid], skip, len(p)))

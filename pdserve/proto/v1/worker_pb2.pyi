@@ -211,7 +211,7 @@ class DrainResponse(_message.Message):
     def __init__(self, remaining: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("version", "model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+    __slots__ = ("version", "model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "layer_windows")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,7 @@ class KVLayout(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    LAYER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     version: int
     model_fingerprint: str
     dtype: str
@@ -226,7 +227,8 @@ class KVLayout(_message.Message):
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    def __init__(self, version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    layer_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layer_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "lease_ms")
