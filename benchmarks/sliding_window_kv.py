@@ -6,9 +6,12 @@ cache that keeps every block, for Gemma 3 270M (18 layers: 15 with a 512-token w
 
 For each sequence length (a prompt of length - 64 tokens, then 64 decoded tokens): the bytes the
 sequence's blocks hold at the end, and the most they held at any step (the prompt's chunks, of
---step-tokens, hold their window plus the chunk in the local layers). Both caches run through the
-engine's own scheduler and KV cache manager, step by step, with the model's outputs replaced by a
-fixed token: which blocks are held depends on positions only, not on the tokens. One length
+--step-tokens, hold their window plus the chunk in the local layers); and the bytes a
+disaggregated transfer of a prompt of that length ships (every layer's blocks, or a local layer's
+from the next token's window on: ``KVLayout.first_block``, the rule the exporter and receiver use).
+Both caches run through the engine's own scheduler and KV cache manager, step by step, with the
+model's outputs replaced by a fixed token: which blocks are held depends on positions only, not
+on the tokens. One length
 (--engine-tokens) also runs through the real engine (model weights from the gemma3 package, or
 random weights of the same shape without it), whose blocks held must equal the allocator's.
 """
@@ -86,7 +89,8 @@ def main() -> None:
 
     from pdserve.engine.config import PRESETS
     from pdserve.engine.cpu_isa import describe_cpu
-    from pdserve.engine.kv_cache_manager import kv_groups
+    from pdserve.engine.kv_cache_manager import cdiv, kv_groups
+    from pdserve.kvtransfer.base import KVLayout
 
     cfg = PRESETS["gemma-3-270m"]
     hybrid, plain = kv_groups(cfg, True), kv_groups(cfg, False)
@@ -98,6 +102,11 @@ def main() -> None:
             held, peak = blocks_held(groups, n, args.block_size, args.step_tokens)
             block_bytes = per_layer_block * groups.num_slots
             row[name] = {"blocks": held, "bytes": held * block_bytes, "peak_bytes": peak * block_bytes}
+            layout = KVLayout("", "float32", args.block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                              layer_windows=groups.layer_windows if groups.num_groups > 1 else ())
+            blocks = cdiv(n, args.block_size)
+            row[name]["transfer_bytes"] = per_layer_block * sum(blocks - layout.first_block(layer, n)
+                                                                for layer in range(cfg.num_layers))
         rows.append(row)
     engine = None
     if not args.no_engine:
@@ -117,13 +126,15 @@ def main() -> None:
     print(f"# Gemma 3 270M: {cfg.num_layers} layers ({sum(map(cfg.is_sliding, range(cfg.num_layers)))} with a "
           f"{cfg.sliding_window}-token window), {cfg.num_kv_heads} KV head of {cfg.head_dim}, float32 cache, "
           f"blocks of {args.block_size}, prompt chunks of {args.step_tokens}")
-    print("| tokens | every block: MiB | sliding-window cache: MiB | ratio | peak, every block | peak, sliding |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| tokens | every block: MiB | sliding-window cache: MiB | ratio | peak, every block | peak, sliding "
+          "| transfer, every block | transfer, sliding |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     mib = 2**20
     for row in rows:
         a, b = row["every_block"], row["sliding"]
         print(f"| {row['tokens']} | {a['bytes'] / mib:.1f} | {b['bytes'] / mib:.1f} | {b['bytes'] / a['bytes']:.3f} "
-              f"| {a['peak_bytes'] / mib:.1f} | {b['peak_bytes'] / mib:.1f} |")
+              f"| {a['peak_bytes'] / mib:.1f} | {b['peak_bytes'] / mib:.1f} "
+              f"| {a['transfer_bytes'] / mib:.1f} | {b['transfer_bytes'] / mib:.1f} |")
     if engine is not None:
         a, b = engine["every_block"], engine["sliding"]
         check = next((r for r in rows if r["tokens"] == engine["tokens"]), None)
