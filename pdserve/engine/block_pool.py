@@ -4,8 +4,8 @@ A block is *free* when nobody references it (ref_cnt == 0). A free block may sti
 cached prefix (it has a hash): it is reusable by a prefix hit until it is evicted, which
 happens when it reaches the front of the free queue and a new block is needed.
 
-    free queue:  front [LRU ... MRU] back     get_new_blocks pops the front (evicting its hash)
-                                              free_blocks appends to the back
+    free queue:  front [never used | LRU ... MRU] back    get_new_blocks pops the front (evicting
+                                                         its hash); free_blocks appends to the back
 
 Every change to the set of cached hashes is a ``KVEvent`` in ``events``, a bounded buffer that
 whoever publishes them (the worker's registration) drains; nobody draining costs the oldest
@@ -98,31 +98,38 @@ class BlockPool:
     events: KVEventBuffer = field(init=False)
 
     def __post_init__(self) -> None:
-        self.blocks = [KVCacheBlock(i) for i in range(self.num_blocks)]
-        self._free = OrderedDict((b.block_id, b) for b in self.blocks)
+        # Blocks are made on first use (``blocks`` holds those made, block i at index i): a pool
+        # never filled, as a simulated replica's, costs no object per block. The free queue is
+        # then the ids never used, lowest first (always at its front), and ``_free`` after them.
+        self.blocks = []
+        self._free = OrderedDict()
         # A consumer further behind than this does better to resync from snapshot() (at most
         # num_blocks hashes) than to replay; the margin covers a heartbeat's worth of churn.
         self.events = KVEventBuffer(4 * self.num_blocks)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - len(self.blocks)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by requests (cached-but-free blocks count as free)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self._cached.get(block_hash)
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        if n > len(self._free):
-            raise ValueError(f"cannot take {n} blocks, {len(self._free)} free")
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot take {n} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
-            self._evict(block)
+            if len(self.blocks) < self.num_blocks:  # one never used: no cached prefix to evict
+                block = KVCacheBlock(len(self.blocks))
+                self.blocks.append(block)
+            else:
+                _, block = self._free.popitem(last=False)
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -165,7 +172,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only possible when no block is in use."""
-        if len(self._free) != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None

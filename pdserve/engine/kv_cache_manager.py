@@ -90,6 +90,10 @@ def kv_groups(cfg: ModelConfig, sliding_window_kv: bool = True) -> KVGroups:
 
 
 class KVCacheManager:
+    # Whether the scheduler shrinks the chunk of a request that runs alone and cannot get its
+    # blocks (worth it where a sequence's blocks are bounded by a window; see HybridKVCacheManager).
+    shrink_chunks = False
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, model_fingerprint: str = ""):
         self.block_size = block_size
         # In every block hash's root (pdserve/prefix_hash.py): another model's KV never matches, and
@@ -204,6 +208,8 @@ class HybridKVCacheManager(KVCacheManager):
     group, the blocks the window of position ``n * block_size`` sees; the hit is the longest
     ``n`` with both. Freed blocks stay cached until evicted, as in one group.
     """
+
+    shrink_chunks = True
 
     def __init__(self, num_blocks: int, block_size: int, groups: KVGroups, enable_caching: bool = True,
                  model_fingerprint: str = ""):

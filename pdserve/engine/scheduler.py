@@ -229,9 +229,10 @@ class Scheduler:
             num_computed = request.num_computed_tokens + len(hits) * bs
             num_new = min(request.num_tokens - num_computed, budget)
             got = self.kv.allocate_slots(request, num_new, hits)
-            while got is None and not self.running and num_new > bs:
-                # Alone and still short: with sliding-window layers a smaller chunk needs fewer
-                # blocks (their window, not the whole chunk); with one table it needs as many.
+            while got is None and self.kv.shrink_chunks and not self.running and num_new > bs:
+                # Alone and still short, where a window bounds what a sequence holds (layer groups):
+                # a smaller chunk needs fewer blocks in all (the window and the chunk), so a
+                # recomputed sequence longer than one chunk's room still runs.
                 num_new = max(bs, num_new // 2)
                 got = self.kv.allocate_slots(request, num_new, hits)
             if got is None:
