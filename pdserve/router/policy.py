@@ -31,16 +31,20 @@ class WorkerLoad(NamedTuple):
     free_kv_tokens: int = -1  # from its snapshot: free KV blocks x block size (-1: unknown)
 
 
+def least_loaded_key(w: WorkerLoad) -> tuple:
+    return (max(w.inflight, w.num_running + w.num_waiting), w.kv_usage, w.worker_id)
+
+
 def least_loaded(workers: Sequence[WorkerLoad], request: RouteRequest | None = None) -> str | None:
     """The worker with the fewest requests (the larger of our count and its own), then the
     emptiest KV cache, then the name (so ties break the same way in every router)."""
     if not workers:
         return None
+    return min(workers, key=least_loaded_key).worker_id
 
-    def key(w: WorkerLoad):
-        return (max(w.inflight, w.num_running + w.num_waiting), w.kv_usage, w.worker_id)
 
-    return min(workers, key=key).worker_id
+def least_queued_prefill_key(w: WorkerLoad) -> tuple:
+    return (max(w.inflight_tokens, w.waiting_prompt_tokens), w.inflight, w.worker_id)
 
 
 def least_queued_prefill(workers: Sequence[WorkerLoad], request: RouteRequest | None = None) -> str | None:
@@ -48,8 +52,16 @@ def least_queued_prefill(workers: Sequence[WorkerLoad], request: RouteRequest | 
     own queue), then the fewest requests."""
     if not workers:
         return None
-    return min(workers, key=lambda w: (max(w.inflight_tokens, w.waiting_prompt_tokens), w.inflight,
-                                       w.worker_id)).worker_id
+    return min(workers, key=least_queued_prefill_key).worker_id
+
+
+# Policies that pick the worker whose load has the smallest key (unique: the name comes last), by
+# their key: a caller that keeps workers ordered by it (the simulator's index) picks the same one
+# without building every load each time.
+POLICY_KEYS: dict[Callable, Callable[[WorkerLoad], tuple]] = {
+    least_loaded: least_loaded_key,
+    least_queued_prefill: least_queued_prefill_key,
+}
 
 
 @dataclass(frozen=True)

@@ -230,3 +230,23 @@ def test_the_simulated_requests_are_the_ones_the_bench_sends(dataset):
     assert [r.warmup for r in requests] == [True, True] + [False] * 12
     result = simulate(SimConfig(decode_replicas=2), PROFILE, requests)
     assert sum(not r.warmup for r in result.records) == 12 and result.summary(None).completed == 12
+
+
+@pytest.mark.parametrize("pools", [(0, 4), (2, 3)], ids=["colocated", "disaggregated"])
+def test_indexed_picks_choose_what_the_policy_chooses_over_every_load(pools, monkeypatch):
+    """least_loaded and least_queued_prefill pick from an index kept by their key (_PickIndex):
+    the records, decisions and replicas equal a run whose picks scan every worker's load, with
+    preemptions, retried reservations (few blocks) and an autoscaled pool changing the rotation."""
+    config = SimConfig(prefill_replicas=pools[0], decode_replicas=pools[1], policy="least_loaded",
+                       num_kv_blocks=160, max_num_seqs=8, poll_interval_s=0.05,
+                       autoscaling={"decode": AutoscalingConfig(min_replicas=pools[1], max_replicas=pools[1] + 2,
+                                                                target_running_requests=3, upscale_window_s=0.5,
+                                                                downscale_window_s=1.0)})
+    requests = mixed_requests(300, 80.0, seed=11)
+    indexed = run_checked(config, requests)
+    monkeypatch.setattr("pdserve.bench.sim.POLICY_KEYS", {})
+    scanned = run_checked(config, requests)
+    assert [r.to_dict() for r in indexed.records] == [r.to_dict() for r in scanned.records]
+    assert indexed.replicas == scanned.replicas and indexed.events == scanned.events
+    assert indexed.decisions == scanned.decisions and indexed.pools == scanned.pools
+    assert len(indexed.replicas) > sum(pools)  # the autoscaler added replicas: the rotation changed
