@@ -19,6 +19,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # Hashes are computed by the one scheme the router shares (pdserve/prefix_hash.py); the pool only
 # keys its cached blocks by them.
@@ -36,9 +37,9 @@ class KVCacheBlock:
     published: bool = True
 
 
-@dataclass(frozen=True)
-class KVEvent:
-    """A change to the set of cached prefix blocks, for the global prefix index."""
+class KVEvent(NamedTuple):
+    """A change to the set of cached prefix blocks, for the global prefix index. (A tuple: one is
+    made for every block cached or evicted, and a frozen dataclass cost several times as much.)"""
 
     seq: int  # from 1, consecutive within the pool's epoch
     kind: str  # "stored" | "removed" | "cleared" (every cached block forgotten; no hashes)
