@@ -37,8 +37,7 @@ def assert_no_leaks(engine) -> None:
     """Every block back in the free pool, every ref count zero, no request left behind (a cache
     with layer groups keeps its null block)."""
     pool = engine.kv.pool
-    null = getattr(engine.kv, "null_block", None)
-    kept = [] if null is None else [null]
+    kept = [] if engine.kv.null_block is None else [engine.kv.null_block]
     assert not engine.scheduler.requests, f"requests left: {list(engine.scheduler.requests)}"
     assert engine.kv.num_requests() == 0
     assert pool.num_referenced() == len(kept), "blocks still referenced"

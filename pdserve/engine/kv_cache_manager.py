@@ -93,6 +93,8 @@ class KVCacheManager:
     # Whether the scheduler shrinks the chunk of a request that runs alone and cannot get its
     # blocks (worth it where a sequence's blocks are bounded by a window; see HybridKVCacheManager).
     shrink_chunks = False
+    # The block a table holds where it keeps none (layer groups' windows); None: tables have no holes.
+    null_block: KVCacheBlock | None = None
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, model_fingerprint: str = ""):
         self.block_size = block_size
@@ -177,16 +179,29 @@ class KVCacheManager:
         return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Offer the request's full blocks covering its first ``num_tokens`` to prefix hits."""
+        """Offer the request's full blocks covering its first ``num_tokens`` to prefix hits (every
+        group's, with layer groups; the first group's are published)."""
         if not self.enable_caching:
             return
         self.update_block_hashes(request)
-        blocks = self._blocks.get(request.request_id, [])
+        tables = self._tables_of(request.request_id)
+        if not tables:
+            return
         start = self._num_cached.get(request.request_id, 0)
-        end = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
-        for i in range(start, end):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        end = min(num_tokens // self.block_size, len(request.block_hashes), len(tables[0]))
+        for g, table in enumerate(tables):
+            for i in range(start, end):
+                if table[i] is not self.null_block:
+                    self.pool.cache_block(table[i], self._key(g, request.block_hashes[i]), publish=g == 0)
         self._num_cached[request.request_id] = max(start, end)
+
+    # With one group: its table, its blocks cached under their hashes.
+    def _tables_of(self, request_id: str) -> list[list[KVCacheBlock]]:
+        blocks = self._blocks.get(request_id)
+        return [blocks] if blocks else []
+
+    def _key(self, group: int, block_hash: bytes) -> bytes:
+        return block_hash
 
     def free(self, request: Request) -> None:
         """Give back the request's blocks; its tail is evicted before its shared prefix."""
@@ -295,20 +310,8 @@ class HybridKVCacheManager(KVCacheManager):
             self.cache_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        if not self.enable_caching:
-            return
-        self.update_block_hashes(request)
-        tables = self._tables.get(request.request_id)
-        if not tables:
-            return
-        start = self._num_cached.get(request.request_id, 0)
-        end = min(num_tokens // self.block_size, len(request.block_hashes), len(tables[0]))
-        for g, table in enumerate(tables):
-            for i in range(start, end):
-                if table[i] is not self.null_block:
-                    self.pool.cache_block(table[i], self._key(g, request.block_hashes[i]), publish=g == 0)
-        self._num_cached[request.request_id] = max(start, end)
+    def _tables_of(self, request_id: str) -> list[list[KVCacheBlock]]:
+        return self._tables.get(request_id) or []
 
     def free(self, request: Request) -> None:
         tables = self._tables.pop(request.request_id, None) or []
