@@ -117,8 +117,10 @@ def main() -> None:
             model = "gemma-3-270m"
         except Exception:  # the package is not installed: the same shape, random weights
             model = "random:gemma-3-270m"
+        from tqdm import tqdm
+
         engine = {"model": model, "tokens": args.engine_tokens}
-        for name, sliding in (("every_block", False), ("sliding", True)):
+        for name, sliding in tqdm((("every_block", False), ("sliding", True)), desc=f"{model}, the real engine"):
             held, block_bytes, seconds = engine_blocks(model, args.engine_tokens, args.step_tokens, sliding)
             engine[name] = {"blocks": held, "bytes": held * block_bytes, "seconds": round(seconds, 1)}
 
