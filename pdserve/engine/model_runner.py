@@ -262,26 +262,23 @@ class ModelRunner:
             prefills=prefills,
         )
         if self.groups.num_groups > 1:
-            meta = self._grouped(items, meta, pos, dec_req_items, dec_block_index)
+            meta = self._grouped(items, meta, positions, dec_req_items, dec_block_index)
         return torch.tensor(ids, dtype=torch.long), positions, meta, last_rows
 
-    def _grouped(self, items: list[ScheduledRequest], meta: AttentionMetadata, pos: list[int],
+    def _grouped(self, items: list[ScheduledRequest], meta: AttentionMetadata, positions: torch.Tensor,
                  dec_items: list[int], dec_block_index: list[int]) -> GroupedMetadata:
         """The step's metadata per layer group: the same positions and masks, each group's block ids
         (``meta`` was built from the first group's tables)."""
-        bs = self.block_size
-        slot_items = [i for i, item in enumerate(items) for _ in range(item.num_tokens)]
-        slot_index = torch.tensor(pos, dtype=torch.long) // bs
-        slot_rows = torch.tensor(slot_items, dtype=torch.long)
+        slot_rows = torch.tensor([i for i, item in enumerate(items) for _ in range(item.num_tokens)], dtype=torch.long)
+        slot_index = positions // self.block_size
         dec_rows, dec_index = torch.tensor(dec_items, dtype=torch.long), torch.tensor(dec_block_index, dtype=torch.long)
         prefill_items = [i for i, item in enumerate(items) if item.num_tokens != 1]
         width = max(len(item.group_block_ids[0]) for item in items)
+        # Every group's tables in one tensor, [groups, items, width], padded with 0 (the null block's id).
+        tables = torch.tensor([[ids + [0] * (width - len(ids)) for ids in item.group_block_ids] for item in items],
+                              dtype=torch.long).transpose(0, 1)
         metas = [meta]
-        for g in range(1, self.groups.num_groups):
-            table = torch.zeros(len(items), width, dtype=torch.long)  # 0: the null block's id
-            for i, item in enumerate(items):
-                ids = item.group_block_ids[g]
-                table[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        for table in tables[1:]:
             chunks = [dataclasses.replace(c, block_ids=table[i, : len(c.block_ids)])
                       for i, c in zip(prefill_items, meta.prefills)]
             metas.append(dataclasses.replace(
