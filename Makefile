@@ -49,7 +49,7 @@ serve: install
 	$(BIN)/pdserve serve
 
 test: install-test
-	$(BIN)/python -m pytest -m "not gpu"
+	$(BIN)/python -m pytest -m "not gpu" --durations=25
 
 test-quick: install-test
 	$(BIN)/python -m pytest

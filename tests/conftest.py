@@ -7,8 +7,14 @@ import os
 import pytest
 import torch
 
-# Keep test runs steady on a shared 2-core machine.
-torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "2")))
+# One torch thread in the test process and, through OMP_NUM_THREADS (inherited), in the worker
+# processes the tests start, unless a worker is given its own count. On a 2-core machine with
+# other load beside it, two threads per process wait on each other at every parallel region:
+# a model-heavy subset took 124 s with two threads and 76 s with one beside two busy loops,
+# and 50 s either way on a quiet machine.
+_TEST_THREADS = os.environ.get("PDSERVE_TEST_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", _TEST_THREADS)
+torch.set_num_threads(int(_TEST_THREADS))
 
 # Without a GPU, Triton kernels run in its CPU interpreter, which must be chosen before any
 # kernel module is imported (tests/engine/test_triton_kernels.py).
