@@ -20,6 +20,7 @@ standard library (the router never imports torch).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 from array import array
@@ -35,6 +36,7 @@ def _field(data: bytes) -> bytes:
     return len(data).to_bytes(8, "little") + data
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every request's hashes, with few distinct arguments
 def root_hash(model_fingerprint: str, block_size: int, cache_salt: str | None = None,
               seed: bytes = SEED) -> BlockHash:
     """The parent of a prompt's first block: (seed, model, block size, tenant salt)."""

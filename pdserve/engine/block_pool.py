@@ -65,6 +65,7 @@ class KVEventBuffer:
     """
 
     def __init__(self, max_events: int):
+        """``max_events`` 0: nobody reads them (a simulated replica without a prefix index): none kept."""
         self.epoch = secrets.token_hex(8)
         self.last_seq = 0
         self.dropped = 0
@@ -75,6 +76,8 @@ class KVEventBuffer:
         return len(self._events)
 
     def append(self, kind: str, block_hashes: tuple[BlockHash, ...]) -> None:
+        if not self._events.maxlen:
+            return
         with self._lock:
             if len(self._events) == self._events.maxlen:
                 self.dropped += 1  # the deque pushes its oldest event out

@@ -117,6 +117,9 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 
+    def holds_blocks(self, request_id: str) -> bool:
+        return bool(self._blocks.get(request_id))
+
     def group_block_ids(self, request_id: str) -> list[list[int]] | None:
         """Every layer group's block table; None with one group (``block_ids`` is its table)."""
         return None
@@ -238,6 +241,10 @@ class HybridKVCacheManager(KVCacheManager):
     def block_ids(self, request_id: str) -> list[int]:
         tables = self._tables.get(request_id)
         return [b.block_id for b in tables[0]] if tables else []
+
+    def holds_blocks(self, request_id: str) -> bool:
+        tables = self._tables.get(request_id)
+        return bool(tables and tables[0])
 
     def group_block_ids(self, request_id: str) -> list[list[int]] | None:
         tables = self._tables.get(request_id)

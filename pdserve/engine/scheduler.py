@@ -223,7 +223,7 @@ class Scheduler:
         bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            fresh = not self.kv.block_ids(request.request_id)
+            fresh = not self.kv.holds_blocks(request.request_id)
             # Prompt logprobs need every prompt position computed: no prefix hits (as vLLM).
             hits = self.kv.get_computed_blocks(request) if fresh and request.prompt_logprobs is None else []
             num_computed = request.num_computed_tokens + len(hits) * bs
@@ -258,7 +258,7 @@ class Scheduler:
         request recomputes when admitted; its prompt's blocks stay in the prefix cache until evicted.
         False when no request behind the head holds a block."""
         for request in reversed(self.waiting):
-            if request is not head and self.kv.block_ids(request.request_id):
+            if request is not head and self.kv.holds_blocks(request.request_id):
                 self._preempt(request, requeue=False)
                 return True
         return False
