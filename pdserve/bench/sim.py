@@ -90,6 +90,7 @@ from pdserve.router.recent_routes import RecentRoutes
 from pdserve.state.store import KVEventRecord
 from pdserve.worker.metrics import RecentQuantile
 
+RUN_TIMES = 8  # a run's step times computed at a time (_Replica.extend_run)
 TOKEN = 0  # every sampled token (requests carry no EOS id: they end at max_tokens)
 ROLES = ("prefill", "decode")
 
@@ -443,17 +444,22 @@ class _Replica:
                 break
         if steps < 2:
             return None
-        size, context = len(batch), sum(base)
-        seconds, ends, t = [], [], now
-        for j in range(steps):
-            s = profile.step_s(StepFeatures(decode_seqs=size, decode_context=context + size * (j + 1)))
+        run = self.run = _Run(batch, base, residues, steps, sum(base), now, [0] * len(batch))
+        self.stepping = True
+        self.extend_run(profile)
+        self.advance(now)
+        return run
+
+    def extend_run(self, profile: Profile) -> None:
+        """The times of the run's next ``RUN_TIMES`` steps (a run is most often broken off sooner)."""
+        run = self.run
+        size, ends, seconds = len(run.batch), run.ends, run.seconds
+        t = ends[-1] if ends else run.start
+        for j in range(len(ends), min(len(ends) + RUN_TIMES, run.steps)):
+            s = profile.step_s(StepFeatures(decode_seqs=size, decode_context=run.context + size * (j + 1)))
             t += s
             seconds.append(s)
             ends.append(t)
-        run = _Run(batch, base, residues, seconds, ends, [0] * size)
-        self.run, self.stepping = run, True
-        self.advance(now)
-        return run
 
     def advance(self, now: float) -> None:
         """The run's steps as of ``now``: those ended by then ended (their tokens counted in the rate
@@ -462,7 +468,7 @@ class _Replica:
         run = self.run
         if run is None:
             return
-        ended = min(bisect_right(run.ends, now), len(run.ends) - 1)
+        ended = min(bisect_right(run.ends, now), len(run.ends) - 1)  # the last one known is under way
         size = len(run.batch)
         for j in range(run.ended, ended):
             self._generated.append((run.ends[j], size))
@@ -522,9 +528,12 @@ class _Run:
     batch: list[Request]
     base: list[int]  # each request's computed tokens when the run began
     residues: dict[int, list[int]]  # base % block_size -> the requests' places in the batch
-    seconds: list[float]
-    ends: list[float]
+    steps: int  # in all (its last ends a request, or would need a block not counted free)
+    context: int  # the batch's computed tokens when the run began
+    start: float
     synced: list[int]  # steps whose token each request object holds (``_Replica._sync_one``)
+    seconds: list[float] = field(default_factory=list)  # of the steps timed so far (``extend_run``)
+    ends: list[float] = field(default_factory=list)
     begun: int = 0
     ended: int = 0
     recorded: int = 0  # steps whose tokens are in the requests' records (``_Simulation._record_run``)
@@ -831,6 +840,10 @@ class _Simulation:
         then the step's end as any step's."""
         replica, run = arg
         if replica.run is not run:  # broken off by an outside call (_break)
+            return
+        if len(run.ends) < run.steps:  # the last step timed so far ended: time the next ones
+            replica.extend_run(self.profile)
+            self._at(run.ends[-1], self._run_end, arg)
             return
         self._end_run(replica)
         self._step_end((replica, run.batch))

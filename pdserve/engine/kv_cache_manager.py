@@ -168,14 +168,15 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         need = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(new_computed_blocks)
         # Blocks of a prefix hit that sit in the free queue stop being free once touched.
-        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - evictable_hits:
+        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
+        if need > 0 and need > self.pool.num_free_blocks - evictable_hits:
             if not blocks:
                 del self._blocks[request.request_id]
             return None
-        self.pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(max(need, 0))
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(need) if need > 0 else []
         blocks.extend(new_blocks)
         if not delay_caching:
             self.cache_blocks(request, num_computed + num_new_tokens)
@@ -184,13 +185,13 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Offer the request's full blocks covering its first ``num_tokens`` to prefix hits (every
         group's, with layer groups; the first group's are published)."""
-        if not self.enable_caching:
+        start = self._num_cached.get(request.request_id, 0)
+        if not self.enable_caching or num_tokens // self.block_size <= start:  # no block newly full
             return
         self.update_block_hashes(request)
         tables = self._tables_of(request.request_id)
         if not tables:
             return
-        start = self._num_cached.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes), len(tables[0]))
         for g, table in enumerate(tables):
             for i in range(start, end):
