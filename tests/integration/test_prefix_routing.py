@@ -41,6 +41,12 @@ def metric(url: str, name: str, label: str = "") -> float:
 
 
 def cached_tokens(url: str, model: str, prompt: list[int]) -> int:
+    """The request's reused prompt tokens, sent once the router sees every worker idle. With the tiny
+    model a prefix hit saves milliseconds, less than what a snapshot still showing the last request
+    running adds to its worker's cost (snapshots are polled; on a loaded machine the last one can be
+    seconds old), so without the wait a hit depends on when the router last polled."""
+    wait_for(lambda: metric(url, "pdserve_worker_num_running") + metric(url, "pdserve_worker_num_waiting") == 0,
+             60, "the router's snapshots show every worker idle")
     body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
     r = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
