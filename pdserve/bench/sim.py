@@ -328,10 +328,9 @@ class _Replica:
         return WorkerLoad(self.worker_id, 0, s.num_running, s.num_waiting, self.kv.usage, waiting_prompt, 0,
                           self._generated_sum / 5.0, prefill_rate, self.kv.pool.num_free_blocks * self.kv.block_size)
 
-    def begin_step(self, profile: Profile, fast: bool):
-        """Schedule a step: (its output, its seconds), or None with nothing to run. The output is the
-        scheduler's, or (``fast``, a decode-only step) the list of requests decoding a token."""
-        batch = self._decode_only() if fast else None
+    def begin_step(self, profile: Profile, batch: list[Request] | None):
+        """Schedule a step: (its output, its seconds), or None with nothing to run. ``batch``: the requests
+        of a decode-only step (``decode_only``), each decoding a token; None: the scheduler's step."""
         if batch is not None:
             return self._begin_decode(batch, profile)
         out = self.scheduler.schedule()
@@ -363,7 +362,7 @@ class _Replica:
 
     # A decode-only step, as Scheduler.schedule and update would run it (module docstring, "Speed").
 
-    def _decode_only(self) -> list[Request] | None:
+    def decode_only(self) -> list[Request] | None:
         """The running requests, when the next step gives each exactly one token and does nothing else:
         a decode worker (its requests stop only at their length: ``_request``), each one token behind, no
         admission (nothing waits, or the batch is full), within the token budget, and a free block for each
@@ -415,15 +414,14 @@ class _Replica:
 
     # Decode-only steps in a row as one event (module docstring, "Speed").
 
-    def begin_run(self, profile: Profile, now: float, publishes: bool) -> _Run | None:
+    def begin_run(self, batch: list[Request], profile: Profile, now: float, publishes: bool) -> _Run | None:
         """The decode-only steps that follow from now until a request ends at its length (the last one),
         as one run, its first step begun; None when fewer than two follow (the step goes alone). Until
-        one ends, nothing but an outside call changes the batch: no admission (``_decode_only``), blocks
+        one ends, nothing but an outside call changes the batch: no admission (``decode_only``), blocks
         for every step's new ones counted free now, and every request past its first token (its first
         changes the router's counts). ``publishes``: KV events are read (a prefix index), so the run
         ends with the first step that makes or fills a block, whose events its end publishes."""
-        batch = self._decode_only()
-        if batch is None or any(r.num_output_tokens == 0 or r.max_output_tokens is None for r in batch):
+        if any(r.num_output_tokens == 0 or r.max_output_tokens is None for r in batch):
             return None
         left = min(r.max_output_tokens - r.num_output_tokens for r in batch)
         if left < 2:
@@ -813,13 +811,14 @@ class _Simulation:
         """Start the replica's next step if it is free and has work."""
         if replica.stepping or replica.state == "stopped":
             return
-        if self.config.fast_decode and replica.role == "decode":
-            run = replica.begin_run(self.profile, self.now, self.index is not None)
+        batch = replica.decode_only() if self.config.fast_decode else None
+        if batch is not None:
+            run = replica.begin_run(batch, self.profile, self.now, self.index is not None)
             if run is not None:
                 run.flows = [self.flows[r.request_id] for r in run.batch]
                 self._at(run.ends[-1], self._run_end, (replica, run))
                 return
-        begun = replica.begin_step(self.profile, self.config.fast_decode)
+        begun = replica.begin_step(self.profile, batch)
         if begun is not None:
             self._at(self.now + begun[1], self._step_end, (replica, begun[0]))
         elif replica.state == "draining" and replica.idle:
