@@ -81,9 +81,7 @@ from pdserve.router.policy import (
     DisaggregationConfig,
     PrefillInputs,
     WorkerLoad,
-    cache_aware_factory,
     prefill_route,
-    random_factory,
 )
 from pdserve.router.prefix_index import PrefixIndex, keys_of_packed, prompt_keys
 from pdserve.router.recent_routes import RecentRoutes
@@ -624,7 +622,7 @@ class _Simulation:
         profile.transfer_s(1, config.transfer_backend)  # a backend the profile lacks: refused now
         self.fingerprint = str(profile.model.get("name", "sim"))
         self.rng = random.Random(config.seed)
-        self.decode_policy, self.prefill_policy = _policies(config.policy, self.cost, self.rng)
+        self.decode_policy, self.prefill_policy = POLICIES[config.policy](self.cost, self.rng)
         self.index = PrefixIndex() if config.policy == "cache_aware" else None
         self.recent = ({r: RecentRoutes(config.recent_routes_s) for r in ROLES}
                        if config.policy == "cache_aware" and config.recent_routes_s > 0 else None)
@@ -1068,13 +1066,3 @@ class _Simulation:
 
     def _count(self, where: str) -> None:
         self.decisions[where] = self.decisions.get(where, 0) + 1
-
-
-def _policies(name: str, model: CostModel, rng: random.Random):
-    """The router's policies by name (policy.POLICIES), those that draw given the simulation's seeded rng."""
-    if name == "cache_aware":
-        return cache_aware_factory(model, rng), cache_aware_factory(model, rng, role="prefill")
-    if name == "random":
-        return random_factory(rng), random_factory(rng)
-    return POLICIES[name](model)
-

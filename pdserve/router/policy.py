@@ -156,10 +156,11 @@ def cache_aware_factory(model: CostModel, rng: random.Random | None = None, role
 
 Policy = Callable[[Sequence[WorkerLoad], "RouteRequest | None"], "str | None"]
 
-# name -> (decode policy, prefill policy), built from the cost model
-POLICIES: dict[str, Callable[[CostModel], tuple[Policy, Policy]]] = {
-    "cache_aware": lambda m: (cache_aware_factory(m), cache_aware_factory(m, role="prefill")),
-    "least_loaded": lambda m: (least_loaded, least_queued_prefill),
-    "round_robin": lambda m: (round_robin_factory(), least_queued_prefill),
-    "random": lambda m: (random_factory(), random_factory()),
+# name -> (decode policy, prefill policy), built from the cost model and, for those that draw, an rng
+# (None: each policy its own unseeded one; the simulator passes its seeded one)
+POLICIES: dict[str, Callable[..., tuple[Policy, Policy]]] = {
+    "cache_aware": lambda m, rng=None: (cache_aware_factory(m, rng), cache_aware_factory(m, rng, role="prefill")),
+    "least_loaded": lambda m, rng=None: (least_loaded, least_queued_prefill),
+    "round_robin": lambda m, rng=None: (round_robin_factory(), least_queued_prefill),
+    "random": lambda m, rng=None: (random_factory(rng), random_factory(rng)),
 }

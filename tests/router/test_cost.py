@@ -98,6 +98,20 @@ def test_random_policy_uses_every_worker_and_every_policy_answers_none_without_w
             assert policy([], RouteRequest(10)) is None
 
 
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_by_name_draws_only_from_the_rng_it_is_given(name):
+    """The simulator passes its seeded rng to every policy (``POLICIES[name](model, rng)``): two builds
+    with equal seeds pick alike, ties and temperature draws included, so a simulation replays."""
+    model = CostModel(temperature=0.5)
+    workers = [load(w, running=r) for w, r in (("a", 1), ("b", 1), ("c", 0), ("d", 0))]
+    reqs = [RouteRequest(100 + i, {"a": 16} if i % 2 else {}) for i in range(40)]
+    runs = []
+    for _ in range(2):
+        decode, prefill = POLICIES[name](model, random.Random(7))
+        runs.append([(decode(workers, r), prefill(workers, r)) for r in reqs])
+    assert runs[0] == runs[1]
+
+
 def test_local_prefill_cost_counts_the_batch_it_holds():
     """local(d) = queue + t + interference x t x (batch + 1): an idle worker's long prompt costs 2t,
     so a prefill worker (t + transfer + overhead) wins; under a batch of 9 it costs 11t."""
