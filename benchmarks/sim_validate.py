@@ -38,6 +38,7 @@ from pdserve.bench.api import run_bench  # noqa: E402
 from pdserve.bench.config import BenchConfig  # noqa: E402
 from pdserve.bench.latency_model import Profile  # noqa: E402
 from pdserve.bench.metrics import SLO, Summary, goodput_rate  # noqa: E402
+from pdserve.bench.report import inf_as_text  # noqa: E402
 from pdserve.bench.sim import SimConfig, SimRequest, simulate  # noqa: E402
 from pdserve.bench.sim_cli import requests_from_bench  # noqa: E402
 from pdserve.cluster.config import load_serve_config  # noqa: E402
@@ -194,8 +195,7 @@ def validate_mode(mode: str, rates: list[float], slo: SLO, profile: Profile, tok
     err = 100 * (good_s - good_m) / good_m if good_m and good_s else None
     print(f"\n{mode} goodput (highest rate with >= 90% attainment): measured {good_m}, simulated {good_s}"
           + (f", error {err:+.0f}%" if err is not None else ""))
-    sim_cfg = {k: ("inf" if isinstance(v, float) and math.isinf(v) else v)
-               for k, v in dataclasses.asdict(config).items() if k != "cost"}
+    sim_cfg = inf_as_text({k: v for k, v in dataclasses.asdict(config).items() if k != "cost"})
     return {"rows": rows, "goodput": {"measured": good_m, "simulated": good_s, "error_pct": err},
             "sim_config": sim_cfg, "cost_model": dataclasses.asdict(config.cost)}
 

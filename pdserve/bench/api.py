@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 from pdserve.bench.config import BenchConfig
 from pdserve.bench.http import HTTPClient
 from pdserve.bench.metrics import SLO, goodput_rate, summarize
-from pdserve.bench.report import plot_attainment, plot_latency_cdfs, plot_timeline, write_json
+from pdserve.bench.report import inf_as_text, plot_attainment, plot_latency_cdfs, plot_timeline, write_json
 from pdserve.bench.runner import Runner, RunResult, build_workload, server_model
 
 
@@ -61,16 +60,17 @@ async def run_bench(config: BenchConfig, slo: SLO | None = None, tokenizer=None,
     return outcome
 
 
-def write_outputs(config: BenchConfig, outcome: BenchOutcome, slo: SLO | None = None) -> list[Path]:
-    """The JSON of every request and the plots; returns the paths written."""
+def write_outputs(config: BenchConfig, outcome: BenchOutcome, slo: SLO | None = None,
+                  sections: dict | None = None) -> list[Path]:
+    """The JSON of every request (with ``sections`` added at its top level) and the plots; returns the
+    paths written."""
     out = Path(config.result_dir)
     out.mkdir(parents=True, exist_ok=True)
     label = config.label or f"{config.dataset_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     paths = [out / f"{label}.json"]
-    cfg = {k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf") for k, v in asdict(config).items()}
     extra = {"model": outcome.model, "goodput_rate": outcome.goodput_rate, "interrupted": outcome.interrupted,
-             "slo": asdict(slo) if slo else None}
-    write_json(paths[0], cfg, outcome.runs, extra)
+             "slo": asdict(slo) if slo else None, **(sections or {})}
+    write_json(paths[0], inf_as_text(asdict(config)), outcome.runs, extra)
     for run in outcome.runs:
         suffix = "" if len(outcome.runs) == 1 else f"-rate{run['rate']:g}"
         title = f"{config.dataset_name} @ {run['rate']:g} req/s"

@@ -61,6 +61,16 @@ def sweep_table(rows: list[dict], goodput_rate: float | None, target: float) -> 
     return "\n".join(out)
 
 
+def inf_as_text(value):
+    """``value`` with each infinite float (a config's "no limit") as the text "inf", in nested dicts and
+    lists too: the JSON of results stays standard JSON where it can."""
+    if isinstance(value, dict):
+        return {k: inf_as_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [inf_as_text(v) for v in value]
+    return "inf" if isinstance(value, float) and math.isinf(value) else value
+
+
 def write_json(path: Path, config: dict, runs: list[dict], extra: dict | None = None) -> None:
     payload = {"config": config, "runs": [
         {"rate": r["rate"], "summary": r["summary"].to_dict(), "records": [x.to_dict() for x in r["records"]]}

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
 import resource
 import time
 from pathlib import Path
@@ -153,23 +151,16 @@ def _sim_json(result, rate: float, wall_s: float) -> dict:
 
 
 def _write(bench, outcome, slo, config, profile, sims: list[dict]) -> list[Path]:
-    """The bench's JSON and plots, the JSON with a ``sim`` section added, and the pools' replicas over time."""
+    """The bench's JSON (with a ``sim`` section) and plots, and the pools' replicas over time."""
     from pdserve.bench.api import write_outputs
+    from pdserve.bench.report import inf_as_text
 
-    paths = write_outputs(bench, outcome, slo)
-    data = json.loads(paths[0].read_text())
     cfg = {k: v for k, v in dataclasses.asdict(config).items() if k != "cost"}
-    data["sim"] = {"config": _finite(cfg), "profile": profile.to_json(), "runs": sims}
-    paths[0].write_text(json.dumps(data, indent=1, allow_nan=True))
+    paths = write_outputs(bench, outcome, slo, {"sim": {"config": inf_as_text(cfg), "profile": profile.to_json(),
+                                                         "runs": sims}})
     out = Path(bench.result_dir) / f"{bench.label}-replicas.png"
     plot_replicas(sims, out, f"{bench.dataset_name}: replicas per pool (simulated)")
     return [*paths, out]
-
-
-def _finite(value):
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    return "inf" if isinstance(value, float) and math.isinf(value) else value
 
 
 def plot_replicas(sims: list[dict], path: Path, title: str) -> None:
