@@ -48,17 +48,17 @@ def options(args: argparse.Namespace, seed: int) -> list:
     found = []
     for spec in args.profile or []:
         path, cost = split_cost(spec, "--profile")
-        found.append((Path(path).stem, cost, argparse.Namespace(profile=path, roofline=None, shape=None)))
+        found.append((Path(path).stem, cost, (path, None, None)))
     for spec in args.roofline or ([] if args.profile else [DEFAULT_ROOFLINE[0]]):
         hw, cost = split_cost(spec, "--roofline")
         for shape in args.shape or [DEFAULT_ROOFLINE[1]]:
-            found.append((f"{hw}/{shape}", cost, argparse.Namespace(profile=None, roofline=hw, shape=shape)))
+            found.append((f"{hw}/{shape}", cost, (None, hw, shape)))
     out = []
     for name, cost, source in found:
-        profile = load_profile(source)
-        cluster = argparse.Namespace(config=args.config, prefill=None, decode=None, policy=args.policy,
-                                     transfer_backend=args.transfer_backend, startup_s=0.0, autoscale_interval_s=1.0)
-        out.append(Option(name, profile, cost, sim_config(cluster, profile, seed)))
+        profile = load_profile(*source)
+        config = sim_config(profile, args.config, policy=args.policy, transfer_backend=args.transfer_backend,
+                            seed=seed)
+        out.append(Option(name, profile, cost, config))
     if len({o.name for o in out}) < len(out):
         raise ConfigError(f"--profile/--roofline: an option is named twice: {[o.name for o in out]}")
     return out

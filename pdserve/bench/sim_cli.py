@@ -26,19 +26,20 @@ _NOT_SIMULATED = ("base_url", "model", "endpoint", "duration", "warmup_requests"
 DEFAULT_ROOFLINE = ("epyc-2core", "smollm2-135m")
 
 
-def load_profile(args: argparse.Namespace):
-    """The profile from ``--profile``, or the roofline of ``--roofline`` and ``--shape``."""
+def load_profile(path: str | None = None, hw: str | None = None, shape: str | None = None):
+    """The profile from a file (``--profile``), or the roofline of hardware and a model shape (``--roofline``,
+    ``--shape``; each defaults to ``DEFAULT_ROOFLINE``'s)."""
     from pdserve.bench.latency_model import HARDWARE, Profile, roofline
     from pdserve.engine.config import PRESETS
 
-    if args.profile and (args.roofline or args.shape):
+    if path and (hw or shape):
         raise ConfigError("--profile: give a profile file or --roofline/--shape, not both")
-    if args.profile:
+    if path:
         try:
-            return Profile.load(args.profile)
+            return Profile.load(path)
         except OSError as e:
-            raise ConfigError(f"--profile: cannot read {args.profile}: {e.strerror}") from e
-    hw, shape = args.roofline or DEFAULT_ROOFLINE[0], args.shape or DEFAULT_ROOFLINE[1]
+            raise ConfigError(f"--profile: cannot read {path}: {e.strerror}") from e
+    hw, shape = hw or DEFAULT_ROOFLINE[0], shape or DEFAULT_ROOFLINE[1]
     if hw not in HARDWARE:
         raise ConfigError(f"--roofline: {hw!r} is not one of {sorted(HARDWARE)}")
     if shape not in PRESETS:
@@ -46,28 +47,31 @@ def load_profile(args: argparse.Namespace):
     return roofline(HARDWARE[hw], dataclasses.asdict(PRESETS[shape]), shape)
 
 
-def sim_config(args: argparse.Namespace, profile, seed: int = 0):
-    """The cluster file with the command line's overrides, as a SimConfig."""
+def sim_config(profile, config_path: str | None, *, prefill: int | None = None, decode: int | None = None,
+               policy: str | None = None, transfer_backend: str | None = None, startup_s: float = 0.0,
+               autoscale_interval_s: float = 1.0, seed: int = 0):
+    """The cluster file (``--config``; None: the defaults) with the command line's overrides (None: the
+    file's), as a SimConfig."""
     from pdserve.bench.sim import SimConfig
     from pdserve.cluster.config import load_serve_config
 
     overrides: dict = {}
-    for role in ("prefill", "decode"):
-        if getattr(args, role) is not None:
-            overrides.setdefault("pools", {})[role] = {"replicas": getattr(args, role)}
-    if args.policy is not None:
-        overrides["router"] = {"policy": args.policy}
-    serve = load_serve_config(args.config, overrides)
-    backend = args.transfer_backend or serve.kv_transfer.backend
+    for role, replicas in (("prefill", prefill), ("decode", decode)):
+        if replicas is not None:
+            overrides.setdefault("pools", {})[role] = {"replicas": replicas}
+    if policy is not None:
+        overrides["router"] = {"policy": policy}
+    serve = load_serve_config(config_path, overrides)
+    backend = transfer_backend or serve.kv_transfer.backend
     if backend not in profile.transfer and backend == "torch" and "nccl" in profile.transfer:
         backend = "nccl"  # torch.distributed's transfer on GPUs
     if backend not in profile.transfer:
         raise ConfigError(f"--transfer-backend: the profile has no transfer model for {backend!r} (it has: "
                           f"{sorted(profile.transfer) or 'none'})")
-    if args.startup_s < 0 or args.autoscale_interval_s <= 0:
+    if startup_s < 0 or autoscale_interval_s <= 0:
         raise ConfigError("--startup-s must not be negative and --autoscale-interval-s must be positive")
-    return SimConfig.from_serve(serve, profile, transfer_backend=backend, startup_s=args.startup_s,
-                                autoscale_interval_s=args.autoscale_interval_s, seed=seed)
+    return SimConfig.from_serve(serve, profile, transfer_backend=backend, startup_s=startup_s,
+                                autoscale_interval_s=autoscale_interval_s, seed=seed)
 
 
 def requests_from_bench(config, rate: float, tokenizer=None):
@@ -107,8 +111,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
     bench = from_dict(BenchConfig, collect_arguments(args, BenchConfig), owner="pdserve sim")
     bench = dataclasses.replace(bench, label=bench.label or f"sim-{bench.dataset_name}")
     slo = SLO.parse(args.goodput)
-    profile = load_profile(args)
-    config = sim_config(args, profile, bench.seed)
+    profile = load_profile(args.profile, args.roofline, args.shape)
+    config = sim_config(profile, args.config, prefill=args.prefill, decode=args.decode, policy=args.policy,
+                        transfer_backend=args.transfer_backend, startup_s=args.startup_s,
+                        autoscale_interval_s=args.autoscale_interval_s, seed=bench.seed)
     print(f"profile: {profile.kind} ({profile.model.get('name', '?')} on {profile.hardware.get('name', '?')}); "
           f"{config.prefill_replicas} prefill + {config.decode_replicas} decode replicas, policy {config.policy}, "
           f"{config.num_kv_blocks} KV blocks each")
