@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready  # n
 from tests.integration.conftest import start_router  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
+MODES = {"colocated": ["decode", "decode"], "disaggregated": ["prefill", "decode"]}  # the workers' roles
 
 
 def pin(pid: int, core: int) -> None:
@@ -63,6 +65,29 @@ def stop(workers, router) -> None:
     stop_workers(workers, grace_s=10)
 
 
+@contextlib.contextmanager
+def cluster(roles: list[str]):
+    """``start``'s cluster for the block (its router's URL), stopped after it."""
+    workers, router, url = start(roles)
+    try:
+        yield url
+    finally:
+        stop(workers, router)
+
+
+def slo_of(ttft0_ms: float, tpot0_ms: float) -> SLO:
+    """The SLOs from the unloaded figures: TTFT <= 5x a 2048-token prompt's, TPOT <= 2x."""
+    return SLO(ttft_ms=5 * ttft0_ms, tpot_ms=2 * tpot0_ms)
+
+
+def workload(url: str, num_prompts: int, rate: float, seed: int, i: int) -> BenchConfig:
+    """The sweep's workload at its ``i``-th rate. A fresh seed per rate (the same for both setups): prompts
+    repeated across rates would be prefix-cache hits, not prefills."""
+    return BenchConfig(base_url=url, progress=False, dataset_name="random", random_input_len=1280,
+                       random_output_len=160, random_range_ratio=0.6, num_prompts=num_prompts, request_rate=rate,
+                       seed=seed + 1000 * (i + 1), warmup_requests=1)
+
+
 def bench(url: str, **options):
     config = BenchConfig(base_url=url, progress=False, **options)
     return asyncio.run(run_bench(config, options.pop("slo", None)))
@@ -82,15 +107,10 @@ def unloaded() -> tuple[float, float]:
 
 
 def sweep(name: str, roles: list[str], rates: list[float], slo: SLO, args) -> list[dict]:
-    workers, router, url = start(roles)
     rows = []
-    try:
+    with cluster(roles) as url:
         for i, rate in enumerate(rates):
-            # A fresh seed per rate (the same for both setups): prompts repeated across rates would
-            # be prefix-cache hits, not prefills.
-            config = BenchConfig(base_url=url, progress=False, dataset_name="random", random_input_len=1280,
-                                 random_output_len=160, random_range_ratio=0.6, num_prompts=args.num_prompts,
-                                 request_rate=rate, seed=args.seed + 1000 * (i + 1), warmup_requests=1)
+            config = workload(url, args.num_prompts, rate, args.seed, i)
             t = time.perf_counter()
             run = asyncio.run(run_bench(config, slo)).runs[0]
             s = run["summary"]
@@ -99,8 +119,6 @@ def sweep(name: str, roles: list[str], rates: list[float], slo: SLO, args) -> li
                          "seconds": time.perf_counter() - t})
             print(f"  {name} @ {rate:g} req/s: attainment {100 * s.slo_attainment:.0f}%, TTFT p90 "
                   f"{s.ttft_ms['p90'] / 1e3:.1f} s, TPOT p90 {s.tpot_ms['p90']:.0f} ms", flush=True)
-    finally:
-        stop(workers, router)
     return rows
 
 
@@ -115,11 +133,11 @@ def main() -> None:
     args = p.parse_args()
     rates = [float(x) for x in args.rates.split(",")]
     ttft0, tpot0 = unloaded()
-    slo = SLO(ttft_ms=5 * ttft0, tpot_ms=2 * tpot0)
+    slo = slo_of(ttft0, tpot0)
     print(f"unloaded (one worker, one core): TTFT of a 2048-token prompt {ttft0 / 1e3:.2f} s, TPOT {tpot0:.1f} ms")
     print(f"SLOs: TTFT <= {slo.ttft_ms / 1e3:.2f} s, TPOT <= {slo.tpot_ms:.1f} ms")
-    colocated = sweep("colocated", ["decode", "decode"], rates, slo, args)
-    disaggregated = sweep("disaggregated", ["prefill", "decode"], rates, slo, args)
+    colocated = sweep("colocated", MODES["colocated"], rates, slo, args)
+    disaggregated = sweep("disaggregated", MODES["disaggregated"], rates, slo, args)
     good_c = goodput_rate(rates, [r["attainment"] for r in colocated])
     good_d = goodput_rate(rates, [r["attainment"] for r in disaggregated])
     print("\nrate (req/s) | colocated attainment | disaggregated attainment | colocated TTFT / TPOT p90 | "

@@ -44,7 +44,7 @@ from pdserve.bench.sim_cli import requests_from_bench  # noqa: E402
 from pdserve.cluster.config import load_serve_config  # noqa: E402
 from pdserve.engine.cpu_isa import describe_cpu  # noqa: E402
 
-MODES = {"colocated": ["decode", "decode"], "disaggregated": ["prefill", "decode"]}
+MODES = pd_goodput.MODES
 # The workers' flags in pd_goodput.start, as a cluster file's engine section; its router gets only
 # start_router's --poll-interval-s 0.2 (and an admission limit the workload never reaches).
 WORKER_ENGINE = {"model": pd_goodput.MODEL, "kv_cache_memory_gb": 1.0, "num_threads": 1}
@@ -75,14 +75,7 @@ def get_slo(args) -> tuple[SLO, dict | None]:
     if args.slo_ttft_ms and args.slo_tpot_ms:
         return SLO(args.slo_ttft_ms, args.slo_tpot_ms), None
     ttft0, tpot0 = pd_goodput.unloaded()
-    return SLO(ttft_ms=5 * ttft0, tpot_ms=2 * tpot0), {"ttft_ms": ttft0, "tpot_ms": tpot0}
-
-
-def workload(url: str, num_prompts: int, rate: float, seed: int) -> BenchConfig:
-    """pd_goodput.sweep's workload at one rate (its BenchConfig, field for field)."""
-    return BenchConfig(base_url=url, progress=False, dataset_name="random", random_input_len=1280,
-                       random_output_len=160, random_range_ratio=0.6, num_prompts=num_prompts, request_rate=rate,
-                       seed=seed, warmup_requests=1)
+    return pd_goodput.slo_of(ttft0, tpot0), {"ttft_ms": ttft0, "tpot_ms": tpot0}
 
 
 def sim_config(roles: list[str], profile: Profile) -> SimConfig:
@@ -113,12 +106,10 @@ def router_decisions(url: str) -> dict[str, int]:
 
 def run_real(roles: list[str], rates: list[float], slo: SLO, args) -> list[dict]:
     """pd_goodput.sweep's runs, keeping each rate's config, summary and records (and the router's decisions)."""
-    workers, router, url = pd_goodput.start(roles)
     runs = []
-    try:
+    with pd_goodput.cluster(roles) as url:
         for i, rate in enumerate(rates):
-            # pd_goodput's fresh seed per rate: prompts repeated across rates would be prefix-cache hits.
-            config = workload(url, args.num_prompts, rate, args.seed + 1000 * (i + 1))
+            config = pd_goodput.workload(url, args.num_prompts, rate, args.seed, i)
             before, started = router_decisions(url), time.perf_counter()
             run = asyncio.run(run_bench(config, slo)).runs[0]
             after = router_decisions(url)
@@ -128,8 +119,6 @@ def run_real(roles: list[str], rates: list[float], slo: SLO, args) -> list[dict]
             s = run["summary"]
             print(f"  {'+'.join(roles)} @ {rate:g} req/s: {s.completed} done, {s.failed} failed, attainment "
                   f"{100 * s.slo_attainment:.0f}%, {runs[-1]['seconds']:.0f} s", flush=True)
-    finally:
-        pd_goodput.stop(workers, router)
     return runs
 
 
