@@ -27,16 +27,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import grpc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pdserve.bench.profile import timed_local_transfer, timed_transfer  # noqa: E402
 from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready  # noqa: E402
 from pdserve.kvtransfer.base import KVLayout  # noqa: E402
 from pdserve.kvtransfer.grpc_backend import GrpcSender  # noqa: E402
-from pdserve.kvtransfer.local import LocalHub, LocalSender  # noqa: E402
+from pdserve.kvtransfer.local import LocalHub  # noqa: E402
 from pdserve.kvtransfer.receiver import KVReceiver  # noqa: E402
 from pdserve.kvtransfer.torch_backend import TorchSender  # noqa: E402
 from pdserve.proto.v1 import worker_pb2 as pb  # noqa: E402
@@ -98,10 +98,6 @@ def tcp_rate(layers) -> float:
     return len(payload) / elapsed
 
 
-def layout_from(res: pb.ReserveResponse) -> KVLayout:
-    return KVLayout.from_proto(res.layout)
-
-
 async def reserve(stub, rid: str, tokens: int) -> pb.ReserveResponse:
     prompt = [1000 + (i % 30000) for i in range(tokens)]
     return await stub.Reserve(pb.ReserveRequest(request_id=rid, prompt_token_ids=prompt, sampling=GREEDY,
@@ -109,35 +105,22 @@ async def reserve(stub, rid: str, tokens: int) -> pb.ReserveResponse:
 
 
 async def send_remote(sender, stub, rid: str, tokens: int, layers) -> float:
+    """One transfer into a decode worker's reserved blocks, as `pdserve profile` times it (the layers sent
+    from a thread, as the prefill worker's export thread sends): seconds from open to the answer."""
     res = await reserve(stub, rid, tokens)
-    layout = layout_from(res)
-    t = time.perf_counter()
-    session = sender.open(res, layout, tokens)
-    for layer, (k, v) in enumerate(layers):
-        session.send_layer(layer, 0, k, v)
-    session.commit()
-    ok, error = await asyncio.wrap_future(session.done)
-    elapsed = time.perf_counter() - t
-    assert ok, error
-    await stub.Abort(pb.AbortRequest(request_ids=[rid]))
-    return elapsed
+    try:
+        return (await timed_transfer(sender, res, layers, tokens))[1]
+    finally:
+        await stub.Abort(pb.AbortRequest(request_ids=[rid]))
 
 
 def send_local(tokens: int, layers) -> float:
-    blocks = -(-tokens // BLOCK)
-    cache = torch.empty(LAYERS, 2, blocks, KV_HEADS, BLOCK * HEAD_DIM)
+    cache = torch.empty(LAYERS, 2, -(-tokens // BLOCK), KV_HEADS, BLOCK * HEAD_DIM)
     layout = KVLayout("bench", "float32", BLOCK, LAYERS, KV_HEADS, HEAD_DIM)
     hub = LocalHub()
     receiver = KVReceiver(cache, layout)
     hub.register("local://d", receiver)
-    receiver.expect("x", list(range(blocks)), 0, tokens, 60.0)
-    t = time.perf_counter()
-    session = LocalSender(hub).open(SimpleNamespace(kv_address="local://d", handle="x"), layout, tokens)
-    for layer, (k, v) in enumerate(layers):
-        session.send_layer(layer, 0, k, v)
-    session.commit()
-    assert session.done.result()[0]
-    return time.perf_counter() - t
+    return timed_local_transfer(hub, "local://d", receiver, layout, layers, tokens, "x")[1]
 
 
 async def part1(decode_grpc: str, decode_torch: str, sizes: list[int], reps: int) -> list[dict]:

@@ -255,10 +255,50 @@ def _layers(engine, blocks: int) -> list[tuple]:
     return [(cache[i, 0, :blocks].clone(), cache[i, 1, :blocks].clone()) for i in engine.runner.groups.layer_slot]
 
 
-def _send(session, layers) -> None:
+def send_layers(session, layers) -> None:
+    """Each layer's keys and values into an open transfer session from its first block, then the commit
+    (the prefill worker's export order)."""
     for i, (k, v) in enumerate(layers):
         session.send_layer(i, 0, k, v)
     session.commit()
+
+
+async def timed_transfer(sender, destination, layers, tokens: int) -> tuple[int, float]:
+    """One transfer of ``layers`` (a ``tokens``-token prompt's KV) to a reserved ``destination`` (a
+    ReserveResponse) by ``sender`` (any backend's): the layers sent from a thread, as the prefill worker's
+    export thread sends. (bytes sent, seconds from open to the destination's answer); raises if it failed."""
+    from pdserve.kvtransfer.base import KVLayout
+
+    loop = asyncio.get_running_loop()
+    start = time.perf_counter()
+    session = sender.open(destination, KVLayout.from_proto(destination.layout), tokens)
+    await loop.run_in_executor(None, send_layers, session, layers)
+    ok, error = await asyncio.wrap_future(session.done)
+    elapsed = time.perf_counter() - start
+    if not ok:
+        raise RuntimeError(f"transfer of {tokens} tokens failed: {error}")
+    return session.sent_bytes, elapsed
+
+
+def timed_local_transfer(hub, address: str, receiver, layout, layers, tokens: int, handle: str) -> tuple[int, float]:
+    """One in-process hand-over (the local backend) of ``layers`` into ``receiver``'s first blocks, registered
+    on ``hub`` at ``address``: (bytes sent, seconds); raises if it failed."""
+    from types import SimpleNamespace
+
+    from pdserve.kvtransfer.local import LocalSender
+
+    receiver.expect(handle, list(range(-(-tokens // layout.block_size))), 0, tokens, 60.0)
+    try:
+        start = time.perf_counter()
+        session = LocalSender(hub).open(SimpleNamespace(kv_address=address, handle=handle), layout, tokens)
+        send_layers(session, layers)
+        ok, error = session.done.result()
+        elapsed = time.perf_counter() - start
+    finally:
+        receiver.release(handle)
+    if not ok:
+        raise RuntimeError(f"local transfer of {tokens} tokens failed: {error}")
+    return session.sent_bytes, elapsed
 
 
 async def _grpc_transfers(engine, sizes: list[int], reps: int) -> list[tuple[int, float]]:
@@ -267,17 +307,15 @@ async def _grpc_transfers(engine, sizes: list[int], reps: int) -> list[tuple[int
     import grpc
 
     from pdserve.decode_worker.server import DecodeServicer
-    from pdserve.kvtransfer.base import KVLayout
     from pdserve.kvtransfer.grpc_backend import GrpcSender
     from pdserve.proto.v1 import worker_pb2 as pb
     from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
     from pdserve.worker.config import WorkerConfig
     from pdserve.worker.server import WorkerServer
 
-    loop = asyncio.get_running_loop()
     server = WorkerServer(engine, WorkerConfig(port=0), DecodeServicer)
     await server.start()
-    sender, points = GrpcSender(loop), []
+    sender, points = GrpcSender(asyncio.get_running_loop()), []
     greedy = pb.SamplingParams(temperature=0, top_p=1, max_tokens=1, ignore_eos=True, repetition_penalty=1)
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
@@ -288,16 +326,12 @@ async def _grpc_transfers(engine, sizes: list[int], reps: int) -> list[tuple[int
                     rid = f"profile-kv-{tokens}-{rep}"
                     res = await stub.Reserve(pb.ReserveRequest(request_id=rid, prompt_token_ids=[7] * tokens,
                                                                sampling=greedy, lease_ms=60_000))
-                    start = time.perf_counter()
-                    session = sender.open(res, KVLayout.from_proto(res.layout), tokens)
-                    await loop.run_in_executor(None, _send, session, layers)
-                    ok, error = await asyncio.wrap_future(session.done)
-                    elapsed = time.perf_counter() - start
-                    await stub.Abort(pb.AbortRequest(request_ids=[rid]))
-                    if not ok:
-                        raise RuntimeError(f"grpc transfer of {tokens} tokens failed: {error}")
+                    try:
+                        point = await timed_transfer(sender, res, layers, tokens)
+                    finally:
+                        await stub.Abort(pb.AbortRequest(request_ids=[rid]))
                     if rep:
-                        points.append((session.sent_bytes, elapsed))
+                        points.append(point)
     finally:
         await server.stop(0)
     return points
@@ -305,12 +339,10 @@ async def _grpc_transfers(engine, sizes: list[int], reps: int) -> list[tuple[int
 
 def _local_transfers(engine, sizes: list[int], reps: int) -> list[tuple[int, float]]:
     """In-process hand-over into a receiver's cache (the local backend)."""
-    from types import SimpleNamespace
-
     import torch
 
     from pdserve.kvtransfer.base import KVLayout
-    from pdserve.kvtransfer.local import LocalHub, LocalSender
+    from pdserve.kvtransfer.local import LocalHub
     from pdserve.kvtransfer.receiver import KVReceiver
 
     cfg, cache = engine.model_config, engine.runner.kv_cache
@@ -324,18 +356,9 @@ def _local_transfers(engine, sizes: list[int], reps: int) -> list[tuple[int, flo
         receiver = KVReceiver(torch.empty((cfg.num_layers, 2, blocks, *cache.shape[3:]), dtype=cache.dtype), layout)
         hub.register("local://profile", receiver)
         for rep in range(reps + 1):
-            receiver.expect(f"x{rep}", list(range(blocks)), 0, tokens, 60.0)
-            start = time.perf_counter()
-            session = LocalSender(hub).open(SimpleNamespace(kv_address="local://profile", handle=f"x{rep}"),
-                                            layout, tokens)
-            _send(session, layers)
-            ok, error = session.done.result()
-            elapsed = time.perf_counter() - start
-            receiver.release(f"x{rep}")
-            if not ok:
-                raise RuntimeError(f"local transfer of {tokens} tokens failed: {error}")
+            point = timed_local_transfer(hub, "local://profile", receiver, layout, layers, tokens, f"x{rep}")
             if rep:
-                points.append((session.sent_bytes, elapsed))
+                points.append(point)
     return points
 
 
