@@ -84,7 +84,7 @@ from pdserve.router.policy import (
     prefill_route,
 )
 from pdserve.router.prefix_index import PrefixIndex, keys_of_packed, prompt_keys
-from pdserve.router.recent_routes import RecentRoutes
+from pdserve.router.recent_routes import RecentRoutes, predicted_cached
 from pdserve.state.store import KVEventRecord
 from pdserve.worker.metrics import RecentQuantile
 
@@ -720,11 +720,7 @@ class _Simulation:
         cached: dict[str, int] = {}
         if self.index is not None:  # cache_aware (its workers are always tracked, unlike a live router's)
             flow.keys = prompt_keys(prompt, self.fingerprint, bs)
-            matched = self.index.lookup(flow.keys)
-            for recent in (self.recent or {}).values():
-                for w, blocks in recent.lookup(flow.keys, self.now).items():
-                    matched[w] = max(blocks, matched.get(w, 0))
-            cached = {w: blocks * bs for w, blocks in matched.items()}
+            cached = predicted_cached(flow.keys, self.index, (self.recent or {}).values(), self.now, bs)
         req = RouteRequest(len(prompt), cached)
         now, poll_s = self.now, self.config.poll_interval_s
         prefills = [w.load(now, poll_s) for w in self._routable("prefill")]

@@ -58,7 +58,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import DisaggregationConfig, Policy, PrefillInputs, prefill_route
 from pdserve.router.pool import WorkerHandle, WorkerPool
 from pdserve.router.prefix_index import PrefixIndex, prompt_keys
-from pdserve.router.recent_routes import RecentRoutes
+from pdserve.router.recent_routes import RecentRoutes, predicted_cached
 from pdserve.router.worker_client import (
     WORKER_FAILURES,
     NoWorkerError,
@@ -143,11 +143,8 @@ class Dispatcher:
             started = time.perf_counter()
             keys = prompt_keys(prompt, info.model_fingerprint, info.block_size, request.cache_salt or None)
             hashed = time.perf_counter()
-            matched = self.index.lookup(keys) if indexed else {}
-            for recent in (self.recent or {}).values():
-                for w, blocks in recent.lookup(keys, time.monotonic()).items():
-                    matched[w] = max(blocks, matched.get(w, 0))
-            cached = {w: blocks * info.block_size for w, blocks in matched.items()}
+            cached = predicted_cached(keys, self.index if indexed else None, (self.recent or {}).values(),
+                                      time.monotonic(), info.block_size)
             self.metrics.decision_seconds.labels("prompt_keys").observe(hashed - started)
             self.metrics.decision_seconds.labels("lookup").observe(time.perf_counter() - hashed)
         req = RouteRequest(len(prompt), cached)

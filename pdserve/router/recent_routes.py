@@ -17,7 +17,7 @@ key routed to a worker means that worker was sent every block before it too.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 class RecentRoutes:
@@ -50,3 +50,14 @@ class RecentRoutes:
             if entry[1] > now:
                 matched[entry[0]] = depth
         return matched
+
+
+def predicted_cached(keys: Sequence[int], index, recents: Iterable[RecentRoutes], now: float,
+                     block_size: int) -> dict[str, int]:
+    """Each worker's predicted prefix hit in tokens for a prompt's keys: per worker, the larger of the global
+    prefix index's match (``index``; None: not consulted) and the recent routes' (``recents``, each role's)."""
+    matched = index.lookup(keys) if index is not None else {}
+    for recent in recents:
+        for w, blocks in recent.lookup(keys, now).items():
+            matched[w] = max(blocks, matched.get(w, 0))
+    return {w: blocks * block_size for w, blocks in matched.items()}
