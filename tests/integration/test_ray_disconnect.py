@@ -1,6 +1,8 @@
 """Leaving the Ray head that ``pdserve serve`` started: a thread of ours that still calls Ray after the
 disconnect (``serve.run`` waiting for RUNNING when the stop came) must not connect the process again,
-or stopping the head kills the process (Ray's core worker exits it with status 1 when its raylet dies)."""
+or stopping the head kills the process (Ray's core worker exits it with status 1 when its raylet dies).
+The same head's worker processes (where the replicas run) keep the starting command's priority, not Ray's
+nice 15 (``ray_launcher.WORKER_PRIORITY``)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,13 @@ from pdserve.cluster import ray_launcher
 from pdserve.cluster.config import RayConfig
 
 head = ray_launcher.connect(RayConfig(num_cpus=1))
+
+@ray.remote
+def priority():
+    import os
+    return os.nice(0)
+
+print("worker nice:", ray.get(priority.remote()), flush=True)
 ref = ray.put(1)
 ray_launcher.disconnect()
 late = []
@@ -41,9 +50,11 @@ print("head exit:", ray_launcher.stop_head(head), flush=True)
 def test_a_call_after_disconnect_does_not_reconnect_and_the_head_stops_under_a_clean_exit():
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_worker_niceness", None)  # what the head sets itself
     with tempfile.TemporaryDirectory() as cwd:  # not the clone's root: no stray pdserve on the workers' path
         done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=cwd, capture_output=True, text=True,
                               timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "connected again: False" in done.stdout, done.stdout
+    assert "worker nice: 0" in done.stdout, done.stdout
     assert "late call: [1]" not in done.stdout, done.stdout

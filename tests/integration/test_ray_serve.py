@@ -39,9 +39,9 @@ def ray_url():
     """Ray on this machine with two node groups' worth of custom resources, Serve's HTTP proxy on a free port."""
     os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled", PDSERVE_WORKER_HOST="127.0.0.1")
     os.environ["RAY_TMPDIR"] = tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths
-    from pdserve.cluster.ray_launcher import SERVE_PATIENCE
+    from pdserve.cluster.ray_launcher import HEAD_DEFAULTS
 
-    for key, value in SERVE_PATIENCE.items():  # as pdserve's own head: a busy machine starts the proxy slowly
+    for key, value in HEAD_DEFAULTS.items():  # as pdserve's own head: the proxy's patience, the workers' priority
         os.environ.setdefault(key, value)
     ray.init(num_cpus=8, resources={"prefill_node": 2, "decode_node": 3}, include_dashboard=False,
              namespace="pdserve-test", log_to_driver=False, _temp_dir=tmp)
