@@ -193,11 +193,12 @@ def test_a_load_step_scales_the_loaded_pool_up_then_down_and_loses_nothing(ray_u
         "decode": {"replicas": 1, "num_cpus": 1, "grace_s": 10,
                    "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_running_requests": 2, **window}},
     })
+    watching, load = threading.Event(), threading.Event()  # set: the watcher, the clients stop
+    threads: list[threading.Thread] = []
     deploy(cluster)
     try:
         wait_for(lambda: len(ready_workers(ray_url)) == 2, 60, "both workers in the router's rotation")
         counts: list[tuple[float, int, int]] = []  # (t, prefill, decode) running replicas
-        watching = threading.Event()
 
         def watch():
             while not watching.is_set():
@@ -216,11 +217,10 @@ def test_a_load_step_scales_the_loaded_pool_up_then_down_and_loses_nothing(ray_u
                     errors.append(f"{type(e).__name__}: {e}")
 
         watcher = threading.Thread(target=watch)
-        watcher.start()
-        load = threading.Event()
         clients = [threading.Thread(target=client, args=(load, i == 0)) for i in range(6)]
-        for c in clients:
-            c.start()
+        threads += [watcher, *clients]
+        for t in threads:
+            t.start()
         # The step: six clients back to back, three times what one replica is asked to hold.
         wait_for(lambda: len([w for w in ready_workers(ray_url) if w["worker_id"].startswith("decode-")]) == 2,
                  60, "a second decode replica serving")
@@ -239,6 +239,12 @@ def test_a_load_step_scales_the_loaded_pool_up_then_down_and_loses_nothing(ray_u
         assert {p for _, p, _ in counts} == {1}, "the prefill pool moved"
         complete(ray_url, "still serving", 8)
     finally:
+        # A failed wait must not leave the clients loading the next test's application (they would
+        # keep its pool from going back to zero) nor the watcher polling a deleted one.
+        load.set()
+        watching.set()
+        for t in threads:
+            t.join(120 * PATIENCE)
         serve.delete(APP)
 
 
