@@ -87,7 +87,11 @@ def test_int4_many_rows_take_the_bf16_weight_from_the_kernels_layout():
         pytest.skip("no CPU int4 kernel in this torch build")
     q, _, _ = quantize_int4(w, 64, layer.act_dtype)
     assert layer.out_features % CPU_PACK_ROWS == 0
-    assert torch.equal(unpack_cpu_int4(layer.qweight, 192, 256), q)  # the layout, as the layer assumes it
+    if not torch.equal(unpack_cpu_int4(layer.qweight, 192, 256), q):  # the layout the layer would assume
+        # torch packs for the processor it runs on (an AVX2-only one differently): the layer's check at
+        # load must then keep every row count on the kernel
+        assert not layer.dequant_many_rows
+        pytest.skip("the CPU kernel packs this processor's weights in another layout: every row count takes it")
     if not layer.dequant_many_rows:
         pytest.skip("no bfloat16 matmul on this processor: every row count takes the kernel")
     assert rel_err(layer._bf16_weight().float(), layer.dequantize()) < 1e-2
