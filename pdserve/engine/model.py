@@ -35,6 +35,12 @@ class Linear(nn.Module):
     """
 
     SPLIT_MAX_ROWS = 512
+    # The oneDNN path pads the rows up to a multiple of this: oneDNN builds (and keeps) a primitive per
+    # shape, and a serving engine's steps bring every row count up to the token budget. Unpadded, one
+    # projection called twice with each of 600 row counts grew the process by over a GiB, still growing;
+    # in buckets of 16 by under 100 MiB, flat once each bucket was seen. The rows' outputs are bitwise
+    # those of the unpadded call (benchmarks/onednn_shapes.py; tests/engine/test_cpu_isa.py).
+    ROW_BUCKET = 16
     # Up to this many rows, a C kernel that reads W once (decode, speculative verification, small
     # batches): against MKL up to 8, against packed oneDNN up to 4 (from 4-8 rows oneDNN is as fast
     # or faster: benchmarks/cpu_matmul.py).
@@ -72,7 +78,11 @@ class Linear(nn.Module):
                 return cpu_kernels.gemv(self.kernels, self.weight, x)
             return cpu_kernels.gemm_rows(self.kernels, self.weight, x)
         if self.path == "onednn" and not x.is_cuda:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), None, "none", [], "")
+            pad = -rows % self.ROW_BUCKET if x.dim() == 2 else 0
+            if pad:
+                x = F.pad(x, (0, 0, 0, pad))
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), None, "none", [], "")
+            return out[:rows] if pad else out
         if self.parts == 1 or rows > self.SPLIT_MAX_ROWS:
             return F.linear(x, self.weight)
         n, k = self.weight.shape

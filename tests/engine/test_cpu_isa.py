@@ -62,3 +62,33 @@ def test_a_cap_reaches_every_library_in_a_fresh_process():
     assert probe["isa"] == "avx2" and probe["aten"] == "AVX2" and probe["onednn"] == "AVX2"
     assert not any("avx512" in f for f in probe["kernel_flags"])
     assert probe["path"] == "onednn"
+
+
+def test_the_onednn_path_pads_rows_to_its_buckets_and_each_row_is_bitwise_the_unpadded_one(monkeypatch):
+    """``model.Linear`` on the oneDNN path pads a step's rows up to ``ROW_BUCKET`` (oneDNN keeps a primitive
+    per shape: unpadded, memory grows with every row count a server sees). Padding changes no output bit."""
+    import torch
+
+    from pdserve.engine.model import Linear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    torch.manual_seed(0)
+    layer = Linear(96, 80)
+    torch.nn.init.normal_(layer.weight)
+    layer.prepare_for_cpu(1, None, "onednn")
+    real = torch.ops.mkldnn._linear_pointwise
+    given = []  # the row counts oneDNN was given
+
+    def recording(x, *args):
+        given.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", recording)
+    for rows in (5, 15, 16, 17, 40, 130):
+        x = torch.randn(rows, 96)
+        y = layer(x)
+        assert y.shape == (rows, 80) and y.is_contiguous()
+        assert torch.equal(y, real(x, layer.packed_weight(), None, "none", [], ""))
+        assert torch.allclose(y, x @ layer.weight.T, rtol=1e-4, atol=1e-4)
+    assert given == [16, 16, 16, 32, 48, 144]
