@@ -4,8 +4,9 @@ count varies, as it does from step to step in a serving engine: unpadded, and pa
     python benchmarks/onednn_shapes.py              # SmolLM2's MLP up-projection, row counts 5-604, twice
     python benchmarks/onednn_shapes.py --threads 2
 
-Each configuration runs in a fresh process (oneDNN's primitive cache is per process): the same
-projection (``--out`` x ``--in``, weights packed once, as ``model.Linear`` packs them) is called with
+Each configuration runs in a fresh process (oneDNN's primitive cache is per process): the engine's
+own projection (``model.Linear`` on its oneDNN path, ``--out`` x ``--in``, with ``ROW_BUCKET`` set to
+the configuration's bucket; 1 is unpadded) is called with
 every row count from 5 to 604, then with all of them again. Printed: the process's resident memory
 growth after 200, 400 and 600 counts of each pass (from its size after the first 16 counts), the wall
 time of both passes, and whether every padded call's rows equal the unpadded call's bitwise. Then the
@@ -22,19 +23,18 @@ import sys
 
 CHILD = r"""
 import json, os, sys, time, torch
+from pdserve.engine.model import Linear
 bucket, n, k, threads = (int(a) for a in sys.argv[1:5])
 torch.set_num_threads(threads)
 torch.manual_seed(0)
 def rss_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k), None)
-def linear(x):
-    rows, pad = x.shape[0], -x.shape[0] % bucket
-    if pad:
-        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-    out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    return out[:rows] if pad else out
+Linear.ROW_BUCKET = bucket  # 1: unpadded
+linear = Linear(k, n)
+torch.nn.init.normal_(linear.weight)
+linear.prepare_for_cpu(1, None, "onednn")  # no C kernels: every row count takes the oneDNN path
+packed = linear.packed_weight()
 growth, exact, base = [], True, None
 started = time.perf_counter()
 for rep in range(2):
@@ -65,9 +65,11 @@ def main() -> int:
           "200/400/600 row counts, first pass | second pass")
     print("| bucket | first pass | second pass | both passes (s) | rows bitwise equal to unpadded |")
     print("|---|---|---|---:|---|")
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     for bucket in (int(b) for b in args.buckets.split(",")):
         done = subprocess.run([sys.executable, "-c", CHILD, str(bucket), str(args.out), str(args.inp),
-                               str(args.threads)], capture_output=True, text=True, check=True)
+                               str(args.threads)], capture_output=True, text=True, check=True, env=env)
         r = json.loads(done.stdout.splitlines()[-1])
         g = [f"{x:+.0f}" for x in r["growth"]]
         same = "-" if bucket == 1 else ("yes" if r["exact"] else "**no**")
