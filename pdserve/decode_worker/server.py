@@ -148,6 +148,10 @@ class DecodeServicer(WorkerServicer):
             if handle is not None:
                 self.receiver.fail(handle, e.reason, str(e))
             return pb.PushKVResponse(ok=False, error=f"{e.reason}: {e}")
+        except grpc.aio.AbortError:  # a chunk that was not a KVChunk message (worker/malformed.py)
+            if handle is not None:
+                self.receiver.fail(handle, "malformed", "a chunk of the push was not a KVChunk message")
+            raise
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             if handle is not None:
                 self.receiver.fail(handle, "stream_broken", "the sender went away mid-transfer")

@@ -125,8 +125,9 @@ class KVReceiver:
         n = self._check_range(incoming, layer, first_block, keys, values)
         blocks = incoming.tables[self.groups.layer_group[layer]][first_block : first_block + n]
         slot = self.groups.layer_slot[layer]
-        self._write(slot, 0, blocks, keys)
-        self._write(slot, 1, blocks, values)
+        if n:  # a chunk of no blocks (a header alone) writes nothing, and renews the lease
+            self._write(slot, 0, blocks, keys)
+            self._write(slot, 1, blocks, values)
         incoming.bytes += 2 * n * self._block_bytes
         incoming.seen.setdefault(layer, set()).update(range(first_block, first_block + n))
         incoming.deadline = time.monotonic() + incoming.lease_s  # progress renews the lease

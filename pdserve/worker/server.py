@@ -31,6 +31,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.state.store import StateStore
 from pdserve.worker.config import WorkerConfig
+from pdserve.worker.malformed import MalformedMessages
 from pdserve.worker.registration import Registration, register
 from pdserve.worker.servicer import WorkerServicer
 
@@ -66,7 +67,8 @@ class WorkerServer:
         (default: the Redis of ``config.redis``, or none)."""
         config, role = self.config, self.servicer_cls.role
         self.engine.start()
-        server = grpc.aio.server(interceptors=server_interceptors(config.host),  # the cluster token, if any
+        self.malformed = MalformedMessages()  # bytes that are not the method's message: INVALID_ARGUMENT
+        server = grpc.aio.server(interceptors=[*server_interceptors(config.host), self.malformed],  # token first
                                  options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                           ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         credentials = server_credentials()  # TLS when the environment gives a certificate and key
