@@ -132,18 +132,41 @@ def wait_quiet(limit: float, wait_s: float) -> float:
     return os.getloadavg()[0]
 
 
+def _session_cpu(session: int, seen: dict[int, int]) -> None:
+    """Record the CPU (user + system jiffies, its own only) of every process of ``session`` now."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # gone since the listing
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; fields[0] is the state
+        if int(fields[3]) == session:
+            seen[int(entry.name)] = int(fields[11]) + int(fields[12])
+
+
 def run_engine(cmd: list[str], output: Path, args, label: str, env: dict | None = None) -> dict:
-    """Run one engine's child; its results, plus the load before and the foreign CPU during it."""
+    """Run one engine's child; its results, plus the load before and the foreign CPU during it.
+
+    The engine's own CPU is that of every process in the child's session, sampled every half second
+    (vLLM computes in a process, VLLM::Worker, that its parent does not wait for, so the children's
+    times of ``os.times`` miss it and it would count as foreign)."""
     load = wait_quiet(args.quiet_load, args.quiet_wait_s)
     print(f"running {label} (1-min load {load:.2f}) ...", file=sys.stderr, flush=True)
     busy0, t0 = _busy_jiffies(), time.monotonic()
-    before = os.times()
     log = output.with_suffix(".log")
+    seen: dict[int, int] = {}
     with log.open("w") as sink:  # the engines' own logs, kept out of the table
-        subprocess.run(cmd, check=True, env={**os.environ, **(env or {})}, cwd=ROOT, stdout=sink, stderr=sink)
-    after = os.times()
+        child = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, cwd=ROOT, stdout=sink, stderr=sink,
+                                 start_new_session=True)
+        while child.poll() is None:
+            _session_cpu(child.pid, seen)
+            time.sleep(0.5)
+    if child.returncode:
+        raise subprocess.CalledProcessError(child.returncode, cmd)
     wall = time.monotonic() - t0
-    own = (after.children_user + after.children_system) - (before.children_user + before.children_system)
+    own = sum(seen.values()) / os.sysconf("SC_CLK_TCK")
     total = (_busy_jiffies() - busy0) / os.sysconf("SC_CLK_TCK")
     result = json.loads(output.read_text())
     result["load_before"] = load
