@@ -113,11 +113,18 @@ def _refusing(handler, method: str):
 
     if handler is None:
         return None
-    kind = (handler.request_streaming, handler.response_streaming)
-    make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    return make[kind](refuse_stream if kind[1] else refuse, request_deserializer=handler.request_deserializer,
-                      response_serializer=handler.response_serializer)
+    return same_kind(handler, refuse_stream if handler.response_streaming else refuse, handler.request_deserializer)
+
+
+_MAKE = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+         (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def same_kind(handler: grpc.RpcMethodHandler, behavior, request_deserializer) -> grpc.RpcMethodHandler:
+    """A method handler of ``handler``'s kind (unary or streaming, each way) and response
+    serializer, calling ``behavior`` with requests parsed by ``request_deserializer`` (None: bytes)."""
+    return _MAKE[handler.request_streaming, handler.response_streaming](
+        behavior, request_deserializer=request_deserializer, response_serializer=handler.response_serializer)
 
 
 def _with_token(details: grpc.aio.ClientCallDetails, pair: tuple[str, str]) -> grpc.aio.ClientCallDetails:

@@ -10,12 +10,13 @@ field ``request``, code ``malformed_message``, the message type), logged once a 
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import time
 
 import grpc
+
+from pdserve.cluster_token import same_kind
 
 log = logging.getLogger(__name__)
 
@@ -23,17 +24,21 @@ LOG_EVERY_S = 60.0
 
 
 class MalformedMessages(grpc.aio.ServerInterceptor):
-    """Server side: the method's handler, fed only messages that parsed."""
+    """Server side: the method's handler, fed only messages that parsed (built once per method)."""
 
     def __init__(self) -> None:
         self.refused = 0
         self._logged_at = -LOG_EVERY_S
+        self._parsing: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        return self._parsing(handler, handler_call_details.method)
+        method = handler_call_details.method
+        if method not in self._parsing:
+            self._parsing[method] = self._parse_first(handler, method)
+        return self._parsing[method]
 
     def _refuse_details(self, method: str, parse, error: Exception) -> str:
         message_type = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
@@ -47,7 +52,10 @@ class MalformedMessages(grpc.aio.ServerInterceptor):
         return json.dumps({"field": "request", "code": "malformed_message",
                            "message": f"{method}: the request is not a valid {name} message: {error}"})
 
-    def _parsing(self, handler, method: str):
+    def _parse_first(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """``handler`` given raw bytes, parsing them itself. Its behaviour is an async function or an
+        async generator; the generated base class's methods for what a role lacks are plain functions
+        that raise UNIMPLEMENTED when called, before anything is awaited."""
         parse = handler.request_deserializer
 
         async def parsed(raw: bytes, context):
@@ -60,41 +68,20 @@ class MalformedMessages(grpc.aio.ServerInterceptor):
             async for raw in raw_iterator:
                 yield await parsed(raw, context)
 
-        async def answer(behavior, request, context):
-            result = behavior(request, context)  # the generated base's unimplemented methods are plain functions
-            return await result if inspect.isawaitable(result) else result
+        streaming_in, streaming_out = handler.request_streaming, handler.response_streaming
+        behavior = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
 
-        async def stream(behavior, request, context):
-            result = behavior(request, context)
-            if inspect.isawaitable(result):
-                result = await result
-            if hasattr(result, "__aiter__"):
-                async for response in result:
-                    yield response
-            else:
-                for response in result:
+        async def request_of(raw, context):
+            return requests(raw, context) if streaming_in else await parsed(raw, context)
+
+        if streaming_out:
+            async def answer_stream(raw, context):
+                async for response in behavior(await request_of(raw, context), context):
                     yield response
 
-        serializer = handler.response_serializer
-        if not handler.request_streaming and not handler.response_streaming:
-            async def unary_unary(raw, context):
-                return await answer(handler.unary_unary, await parsed(raw, context), context)
+            return same_kind(handler, answer_stream, None)
 
-            return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=serializer)
-        if not handler.request_streaming:
-            async def unary_stream(raw, context):
-                async for response in stream(handler.unary_stream, await parsed(raw, context), context):
-                    yield response
+        async def answer(raw, context):
+            return await behavior(await request_of(raw, context), context)
 
-            return grpc.unary_stream_rpc_method_handler(unary_stream, response_serializer=serializer)
-        if not handler.response_streaming:
-            async def stream_unary(raw_iterator, context):
-                return await answer(handler.stream_unary, requests(raw_iterator, context), context)
-
-            return grpc.stream_unary_rpc_method_handler(stream_unary, response_serializer=serializer)
-
-        async def stream_stream(raw_iterator, context):
-            async for response in stream(handler.stream_stream, requests(raw_iterator, context), context):
-                yield response
-
-        return grpc.stream_stream_rpc_method_handler(stream_stream, response_serializer=serializer)
+        return same_kind(handler, answer, None)

@@ -67,8 +67,8 @@ class WorkerServer:
         (default: the Redis of ``config.redis``, or none)."""
         config, role = self.config, self.servicer_cls.role
         self.engine.start()
-        self.malformed = MalformedMessages()  # bytes that are not the method's message: INVALID_ARGUMENT
-        server = grpc.aio.server(interceptors=[*server_interceptors(config.host), self.malformed],  # token first
+        # the cluster token, if any, then bytes that are not the method's message (INVALID_ARGUMENT)
+        server = grpc.aio.server(interceptors=[*server_interceptors(config.host), MalformedMessages()],
                                  options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                           ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         credentials = server_credentials()  # TLS when the environment gives a certificate and key
