@@ -72,19 +72,20 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
         output_token_ids: list[int] = (), emitted_text_len: int | None = None, handoff_after: int | None = None,
+        start_within_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Deltas of one request until it finishes; leaving early aborts it.
 
         ``output_token_ids``, ``emitted_text_len``: what was generated and sent elsewhere;
-        ``handoff_after``: stop after this many tokens, the request continuing elsewhere (see
-        LLMEngine.make_request).
+        ``handoff_after``: stop after this many tokens, the request continuing elsewhere;
+        ``start_within_s``: the bound on its unstarted wait (see LLMEngine.make_request).
         """
         self._check_alive()
         with self._lock:
             self._check_free(request_id)
             request = self.engine.make_request(request_id, prompt, params, cache_salt,
                                                output_token_ids=output_token_ids, emitted_text_len=emitted_text_len,
-                                               handoff_after=handoff_after)
+                                               handoff_after=handoff_after, start_within_s=start_within_s)
             stream = self._open(request_id)
         self._commands.put(("add", request))
         self._wake.set()
@@ -109,13 +110,16 @@ class AsyncEngine:
         return await future
 
     async def resume(self, request_id: str, kv_ok: bool, output_token_ids: list[int],
-                     emitted_text_len: int | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a reserved request: its KV landed (``kv_ok``) or it computes its prompt here."""
+                     emitted_text_len: int | None = None,
+                     start_within_s: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a reserved request: its KV landed (``kv_ok``) or it computes its prompt here
+        (``start_within_s``: as generate's)."""
         self._check_alive()
         with self._lock:
             self._check_free(request_id)
             stream = self._open(request_id)
-        self._commands.put(("resume", (request_id, kv_ok, list(output_token_ids), emitted_text_len, stream)))
+        self._commands.put(("resume", (request_id, kv_ok, list(output_token_ids), emitted_text_len, start_within_s,
+                                       stream)))
         self._wake.set()
         async for out in self._drain(request_id, stream):
             yield out
@@ -233,12 +237,12 @@ class AsyncEngine:
         future.get_loop().call_soon_threadsafe(_resolve, future, result)
 
     def _resume(self, request_id: str, kv_ok: bool, output_token_ids: list[int], emitted_text_len: int | None,
-                stream: _Stream) -> None:
+                start_within_s: float | None, stream: _Stream) -> None:
         if request_id not in self.engine.scheduler.remote:  # the lease ran out first: nothing to resume
             aborted = _aborted(request_id, "the KV reservation expired before the request resumed")
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, aborted)
             return
-        self.engine.finish_remote_kv(request_id, kv_ok, output_token_ids, emitted_text_len)
+        self.engine.finish_remote_kv(request_id, kv_ok, output_token_ids, emitted_text_len, start_within_s)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         if not outputs:

@@ -173,6 +173,7 @@ class LLMEngine:
         output_token_ids: list[int] = (),
         emitted_text_len: int | None = None,
         handoff_after: int | None = None,
+        start_within_s: float | None = None,
     ) -> Request:
         """Validate and build a request (not yet queued).
 
@@ -181,6 +182,9 @@ class LLMEngine:
         ``emitted_text_len`` characters of their text were already sent (None: all of it).
         ``handoff_after``: end here after this many new tokens, the request continuing
         elsewhere (finish reason ``handoff``; text that may begin a stop string is held back).
+        ``start_within_s``: under the priority policy, a request still waiting unstarted this long
+        after it was made ends with finish reason ``queue_timeout`` (ignored with prior outputs:
+        their client has text already).
         """
         if request_id in self.scheduler.requests or request_id in self._text:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
@@ -197,6 +201,8 @@ class LLMEngine:
             request.add_prior_outputs(list(output_token_ids), self.model_config.vocab_size, emitted_text_len)
         if handoff_after is not None:
             request.handoff_at = request.num_output_tokens + handoff_after
+        if start_within_s and not output_token_ids:
+            request.start_by = time.monotonic() + start_within_s
         return request
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
@@ -248,15 +254,18 @@ class LLMEngine:
         return block_ids
 
     def finish_remote_kv(self, request_id: str, ok: bool, output_token_ids: list[int] = (),
-                         emitted_text_len: int | None = None) -> None:
+                         emitted_text_len: int | None = None, start_within_s: float | None = None) -> None:
         """The KV of a reserved request landed (ok) or not (recompute here); it joins the queue.
 
         ``output_token_ids`` were sampled elsewhere (the prefill worker's first token), and
         ``emitted_text_len`` characters of their text were sent from there (None: all of it);
-        generation continues after them.
+        generation continues after them. ``start_within_s``: as make_request's (a prompt computed
+        here, nothing sent yet).
         """
         request = self.scheduler.requests[request_id]
         self._check_ids(list(output_token_ids), "output_token_ids")
+        if start_within_s and not output_token_ids:
+            request.start_by = time.monotonic() + start_within_s
         self.scheduler.finish_remote_kv(request_id, ok)
         request.add_prior_outputs(list(output_token_ids), self.model_config.vocab_size, emitted_text_len)
         self._text[request_id] = self._text_state(request)
@@ -270,9 +279,12 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        ended = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        return self._ended(self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED))
+
+    def _ended(self, requests: list[Request]) -> list[RequestOutput]:
+        """The last output of requests ended from outside a step (with any text not yet sent)."""
         outputs = []
-        for request in ended:
+        for request in requests:
             state = self._text.pop(request.request_id, None)
             text = state.text[state.emitted :] if state else ""
             outputs.append(self._output(request, [], text, None, True))
@@ -282,11 +294,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         began = time.perf_counter()
+        timed_out = self._ended(self.scheduler.expire_unstarted(time.monotonic()))
         if self.proposer is not None:
             self.proposer.before_schedule(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.empty:
-            return []
+            return timed_out
         if self.proposer is not None:
             self.proposer.after_schedule(sched)
             for item in sched.scheduled:
@@ -300,7 +313,7 @@ class LLMEngine:
         outputs = self._process(self.scheduler.update(sched, model_out))
         if self.step_observer is not None:
             self.step_observer(sched, time.perf_counter() - began)
-        return outputs
+        return timed_out + outputs
 
     def prefill_rate(self) -> float:
         """Prompt tokens per second of the last steps that computed prompts (their decodes included:

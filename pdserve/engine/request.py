@@ -24,11 +24,13 @@ class RequestStatus(enum.Enum):
     # This engine's part is done and the request continues elsewhere (a prefill worker hands its
     # request to a decode worker after the first token): finished here, not for the client.
     FINISHED_HANDOFF = "handoff"
+    # Never started: it waited past its start_by (see Request.start_by); nothing was computed or sent.
+    FINISHED_QUEUE_TIMEOUT = "queue_timeout"
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
-                        RequestStatus.FINISHED_HANDOFF)
+                        RequestStatus.FINISHED_HANDOFF, RequestStatus.FINISHED_QUEUE_TIMEOUT)
 
 
 class Request:
@@ -84,6 +86,10 @@ class Request:
         self.handoff_at: int | None = None
         # Characters of the prior outputs' text the client already has (see add_prior_outputs).
         self.text_emitted: int | None = None
+        # time.monotonic() by which the request must start, or end unstarted (queue_timeout); None:
+        # no bound. Cleared when it is first scheduled. Only the priority policy applies it (see
+        # Scheduler.expire_unstarted).
+        self.start_by: float | None = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
@@ -136,7 +142,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "handoff" | "queue_timeout"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     new_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first output, when asked for

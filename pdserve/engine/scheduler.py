@@ -10,7 +10,10 @@ Two policies (``scheduling_policy``, as vLLM's): ``fcfs`` admits in arrival orde
 most recently admitted request; ``priority`` keeps the waiting queue ordered by (priority,
 arrival), lower first, and preempts the running request of the lowest class (the highest
 priority value; the latest arrival among equals), so a ``flex`` request gives way to a
-``priority`` one under memory pressure.
+``priority`` one under memory pressure. Under ``priority`` a request can be overtaken for as long
+as requests of a higher class keep arriving; one given a ``start_by`` that is still waiting,
+never started, when that time comes ends unstarted (``queue_timeout``) instead of waiting on.
+Under ``fcfs`` the wait is bounded by the work ahead, and ``start_by`` is not applied.
 """
 
 from __future__ import annotations
@@ -107,12 +110,35 @@ class Scheduler:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission
         self.prefix_hits = 0  # of those, tokens found
         self.spec_totals = [0, 0, 0]  # speculative tokens proposed, accepted; verification steps
+        self.num_queue_timeouts = 0  # requests ended unstarted at their start_by
+        self._next_start_by: float | None = None  # the earliest start_by in the queue (or earlier)
 
     # ---- admission -------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self._enqueue(request)
+        self._note_start_by(request)
+
+    def _note_start_by(self, request: Request) -> None:
+        if self.policy != "priority":
+            request.start_by = None  # fcfs: the work ahead bounds the wait
+        elif request.start_by is not None:
+            self._next_start_by = min(request.start_by, self._next_start_by or request.start_by)
+
+    def expire_unstarted(self, now: float) -> list[Request]:
+        """End waiting requests that never started and whose ``start_by`` has passed (status
+        FINISHED_QUEUE_TIMEOUT): they hold no blocks and have produced nothing."""
+        if self._next_start_by is None or now < self._next_start_by:
+            return []
+        expired = [r for r in self.waiting if r.start_by is not None and r.start_by <= now]
+        for request in expired:
+            self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_QUEUE_TIMEOUT
+            self._remove(request)
+        self.num_queue_timeouts += len(expired)
+        self._next_start_by = min((r.start_by for r in self.waiting if r.start_by is not None), default=None)
+        return expired
 
     @staticmethod
     def _order(request: Request) -> tuple[int, float]:
@@ -156,6 +182,7 @@ class Scheduler:
             self.kv.cache_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
         self._enqueue(request)
+        self._note_start_by(request)
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -246,6 +273,7 @@ class Scheduler:
                 self.prefix_hits += num_computed
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
+            request.start_by = None  # started: it runs to its end (or is preempted and recomputes)
             self.running.append(request)
             out.scheduled.append(self._take(request, num_new))
             budget -= num_new

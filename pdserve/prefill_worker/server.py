@@ -32,7 +32,7 @@ from pdserve.kvtransfer.faults import KVFaults
 from pdserve.prefill_worker.export import Export, KVExporter
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.worker import convert
-from pdserve.worker.servicer import WorkerServicer
+from pdserve.worker.servicer import WorkerServicer, abort_if_timed_out
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +75,13 @@ class PrefillServicer(WorkerServicer):
         # the decode worker after the first token unless that token already ends it. (An async
         # generator: the engine validates the request on the first iteration, below.)
         stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt or None,
-                                      handoff_after=1)
+                                      handoff_after=1, start_within_s=request.queue_timeout_s or None)
         session = sender.open(dest, self.layout, len(prompt))
         skip = dest.cached_tokens // self.layout.block_size
         self.exporter.add(request.request_id, Export(session, skip, len(prompt)))
         try:
             async for out in _invalid_as_status(stream, context):
+                await abort_if_timed_out(out, request.queue_timeout_s, context)
                 if out.finished:
                     self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
                     self.metrics.recent_ttft.observe(time.perf_counter() - received)  # the prompt's own part

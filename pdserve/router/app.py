@@ -65,7 +65,7 @@ from pdserve.router.protocol import (
 )
 from pdserve.router.responses import SSE_DONE, Choice, Formatter, cached_prompt_tokens, usage
 from pdserve.router.tokenization import detokenize, tokenize
-from pdserve.router.worker_client import NoWorkerError, WorkerLostError, sampling_to_proto
+from pdserve.router.worker_client import NoWorkerError, QueueTimeoutError, WorkerLostError, sampling_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,9 @@ class RouterConfig:
     queue_size: int = doc(0, "requests that may wait, in all service classes together, when max_concurrent_requests "
                              "is reached (priority first, then default, then flex; a full queue sheds flex first); "
                              "0: answer 429 at once")
-    queue_timeout_s: float = doc(30.0, "how long a request may wait in the queue before its 429")
+    queue_timeout_s: float = doc(30.0, "how long a request may wait in the queue before its 429; also how long it "
+                                       "may then wait unstarted in a worker's queue on workers scheduling by "
+                                       "priority (where later requests of a higher class go ahead of it)")
     poll_interval_s: float = doc(0.5, "how often worker load snapshots and health are read")
     disagg_min_prompt_tokens: int = doc(128, "prompts shorter than this are prefilled on the decode worker "
                                               "(conditional disaggregation)")
@@ -492,7 +494,8 @@ class Router:
                 params = params.replace(logprobs=0)
             reservation = self._reserve(tenant, params, prompts, sequences, model.max_model_len)
             rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-            choices, requests = self._requests(rid, body, params, prompts, tenant.cache_salt(body.cache_salt))
+            choices, requests = self._requests(rid, body, params, prompts, tenant.cache_salt(body.cache_salt),
+                                               self.config.queue_timeout_s)
             stream = _merge([model.dispatcher.run(r) for r in requests])
             first = await self._first(stream)  # errors before any output become HTTP statuses
         except BaseException:
@@ -521,7 +524,7 @@ class Router:
 
     @staticmethod
     def _requests(rid: str, body, params: SamplingParams, prompts: list[tuple[list[int], str]],
-                  cache_salt: str) -> tuple[list[Choice], list[pb.GenerateRequest]]:
+                  cache_salt: str, queue_timeout_s: float) -> tuple[list[Choice], list[pb.GenerateRequest]]:
         """One choice and one worker request per (prompt, sample); ``cache_salt``: the tenant's."""
         choices, requests = [], []
         for p, (ids, prefix) in enumerate(prompts):
@@ -532,7 +535,7 @@ class Router:
                 seed = None if params.seed is None else params.seed + j
                 requests.append(pb.GenerateRequest(
                     request_id=f"{rid}-{index}", prompt_token_ids=ids, cache_salt=cache_salt,
-                    sampling=sampling_to_proto(params.replace(n=1, seed=seed))))
+                    sampling=sampling_to_proto(params.replace(n=1, seed=seed)), queue_timeout_s=queue_timeout_s))
         return choices, requests
 
     def _prepare(self, kind: str, body, model: _Model) -> tuple[SamplingParams, list[tuple[list[int], str]]]:
@@ -571,6 +574,14 @@ class Router:
                               code="no_worker_available") from e
         except InvalidRequestError as e:
             raise OpenAIError(400, str(e), param=e.field, code=e.code) from e
+        except QueueTimeoutError as e:
+            raise self._queue_timeout(e) from e
+
+    def _queue_timeout(self, e: QueueTimeoutError) -> OpenAIError:
+        """A worker's queue timeout: the 429 the router's own queue would have answered."""
+        self.metrics.errors.labels("queue_timeout").inc()
+        return OpenAIError(429, f"{e}; retry shortly", type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
 
     def _done(self, sequences: int, reservation: Reservation | None, used_tokens: int) -> None:
         self.admission.release(sequences)
@@ -717,6 +728,9 @@ class _Run:
         except WorkerLostError as e:
             status = 502
             raise OpenAIError(502, str(e), type="server_error", code="worker_lost") from e
+        except QueueTimeoutError as e:  # one choice of several, after another had output
+            status = 429
+            raise self.router._queue_timeout(e) from e
         finally:
             self._finish(status)
 
@@ -735,6 +749,9 @@ class _Run:
             if include_usage:
                 yield self.fmt.usage_chunk(self._usage())
             yield SSE_DONE
+        except QueueTimeoutError as e:  # one choice of several, after another had output
+            status = 429
+            yield b"data: " + orjson.dumps(self.router._queue_timeout(e).body()) + b"\n\n" + SSE_DONE
         except (WorkerLostError, NoWorkerError, InvalidRequestError) as e:
             status = 502
             self.router.metrics.errors.labels(type(e).__name__).inc()
@@ -770,6 +787,9 @@ class _Held:
         except WorkerLostError as e:
             run._finish(502)
             raise OpenAIError(502, str(e), type="server_error", code="worker_lost") from e
+        except QueueTimeoutError as e:
+            run._finish(429)
+            raise run.router._queue_timeout(e) from e
         except BaseException:
             run._finish(499)
             raise

@@ -36,7 +36,11 @@ Faults:
   out of rotation for a moment, as a busy machine's missed polls take them): it waits up to
   ``wait_for_worker_s`` for one it has not tried (a replacement, or one back in rotation);
 - transfer faults (a dropped, corrupt or stalled transfer) are the decode worker's to handle:
-  it computes the prompt itself when the KV does not land within its lease.
+  it computes the prompt itself when the KV does not land within its lease;
+- a request that waits unstarted in a worker's queue past its ``queue_timeout_s`` (a worker
+  scheduling by priority lets later requests of a higher class go ahead of it) is ended by the
+  worker: from a decode worker, the client gets the 429 it would have had from the router's own
+  queue (QueueTimeoutError, not retried); from a prefill worker, the decode worker prefills it.
 Each fault is counted by reason and logged with the request id.
 """
 
@@ -62,6 +66,7 @@ from pdserve.router.recent_routes import RecentRoutes, predicted_cached
 from pdserve.router.worker_client import (
     WORKER_FAILURES,
     NoWorkerError,
+    QueueTimeoutError,
     WorkerDown,
     WorkerLostError,
     first_message,
@@ -247,6 +252,9 @@ class Dispatcher:
     def _classify(self, worker: WorkerHandle, e: grpc.aio.AioRpcError, rpc: str) -> Exception:
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
             return invalid_from_details(e.details() or "") or InvalidRequestError("request", e.details() or "")
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # it did not start within its queue timeout
+            self.metrics.faults.labels("queue_timeout").inc()
+            return QueueTimeoutError(f"worker {worker.worker_id}: {e.details()}")
         if e.code() not in WORKER_FAILURES:
             return e
         if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -348,7 +356,8 @@ class Dispatcher:
             worker.inflight_tokens += len(request.prompt_token_ids)
             call = worker.stub.Prefill(pb.PrefillRequest(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                sampling=request.sampling, cache_salt=request.cache_salt, destination=reservation))
+                sampling=request.sampling, cache_salt=request.cache_salt, destination=reservation,
+                queue_timeout_s=request.queue_timeout_s))
             try:
                 while (msg := await call.read()) is not grpc.aio.EOF:
                     if msg.HasField("first"):
@@ -366,6 +375,9 @@ class Dispatcher:
                               worker.worker_id, e.details())
                     continue
                 err = self._classify(worker, e, "Prefill")
+                if isinstance(err, QueueTimeoutError):  # its queue is long: the decode worker prefills
+                    log.warning("request %s: %s; the decode worker prefills", request.request_id, err)
+                    return None
                 if not isinstance(err, _Retry):
                     raise err from e
                 self.metrics.faults.labels("prefill_worker_failed").inc()
@@ -400,6 +412,7 @@ def _continuation(request: pb.GenerateRequest, request_id: str, generated: list[
     follow.request_id = request_id
     follow.ClearField("kv_handle")
     follow.prefill_here = False
+    follow.queue_timeout_s = 0  # it started: the client has its text so far
     follow.sampling.ClearField("prompt_logprobs")  # sent with the first token already
     del follow.output_token_ids[:]
     follow.output_token_ids.extend(generated)

@@ -67,7 +67,8 @@ class RouterMetrics:
                                           "prefill (a policy choosing among that pool)", ["step"],
                                           buckets=DECISION_BUCKETS, registry=r)
         self.faults = Counter("pdserve_router_faults", "Worker faults handled, by reason (prefill_worker_failed, "
-                              "prefill_refused, no_prefill_worker, decode_worker_lost)", ["reason"], registry=r)
+                              "prefill_refused, no_prefill_worker, decode_worker_lost, queue_timeout: a worker "
+                              "ended a request unstarted at its queue timeout)", ["reason"], registry=r)
         self.migrations = Counter("pdserve_router_migrations", "Requests continued on another decode worker after "
                                   "tokens had streamed", registry=r)
         self.cold_starts = Counter("pdserve_router_cold_starts", "Requests that found a pool at zero workers and "

@@ -29,6 +29,11 @@ class WorkerLostError(RuntimeError):
     """The worker failed after it had streamed tokens."""
 
 
+class QueueTimeoutError(RuntimeError):
+    """A worker ended the request unstarted: it waited its queue timeout in the worker's queue while
+    requests of a higher service class went ahead of it (RESOURCE_EXHAUSTED; the client's 429)."""
+
+
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,

@@ -49,6 +49,15 @@ def engine_layout(engine: LLMEngine) -> KVLayout:
                     cfg.num_kv_heads, cfg.head_dim, layer_windows=groups.layer_windows if groups.num_groups > 1 else ())
 
 
+async def abort_if_timed_out(out: RequestOutput, queue_timeout_s: float, context: grpc.aio.ServicerContext) -> None:
+    """A request that ended unstarted at its queue timeout ends its call RESOURCE_EXHAUSTED (the
+    router answers 429): requests of a higher class kept going ahead of it in this worker's queue."""
+    if out.finish_reason == "queue_timeout":
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"request {out.request_id} waited {queue_timeout_s:g} s in this worker's queue without "
+                            f"starting (requests of a higher service class went ahead of it)")
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
     """The RPCs both roles serve. A role sets ``role``, adds its RPCs, and may override the hooks:
     ``_start`` (how Generate gets its output stream), ``abort``, ``on_start`` and
@@ -86,7 +95,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         emitted = request.emitted_text_len if request.HasField("emitted_text_len") else None
         return self.engine.generate(request.request_id, list(request.prompt_token_ids), params,
                                     request.cache_salt or None, output_token_ids=list(request.output_token_ids),
-                                    emitted_text_len=emitted)
+                                    emitted_text_len=emitted, start_within_s=request.queue_timeout_s or None)
 
     def abort(self, request_id: str) -> None:
         """Abort one request (the router's Abort): its blocks go back to the pool at once."""
@@ -112,6 +121,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     last = now
                 if out.finished:
                     self._finished(out, received, first, last)
+                    await abort_if_timed_out(out, request.queue_timeout_s, context)
                 yield convert.output_to_proto(out)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.encode_invalid(e))

@@ -233,3 +233,34 @@ def test_an_unknown_scheduling_policy_is_refused(make_engine):
 
     with pytest.raises(ValueError, match="scheduling_policy"):
         make_engine(scheduling_policy="lifo")
+
+
+def test_priority_policy_ends_a_request_still_unstarted_at_its_start_bound(make_engine, monkeypatch):
+    """Under priority a flex request waits for as long as requests of a higher class keep coming:
+    given a start bound, it ends unstarted when the bound passes (finish reason queue_timeout,
+    nothing computed, no block held). A request that started runs on past its bound; under fcfs
+    (the work ahead bounds the wait) the bound is not applied."""
+    import time
+
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    for policy in ("fcfs", "priority"):
+        engine = make_engine(max_num_seqs=1, scheduling_policy=policy)
+        engine.add(engine.make_request("running", list(range(100, 120)), _with_priority(0, max_tokens=30),
+                                       start_within_s=5))
+        engine.add(engine.make_request("flex", list(range(200, 220)), _with_priority(2, max_tokens=4),
+                                       start_within_s=5))
+        assert [o.request_id for o in engine.step()] == ["running"]  # it starts; flex waits behind it
+        now[0] += 4.9
+        assert not any(o.finished for o in engine.step())
+        now[0] += 0.2  # flex's bound has passed, and "running"'s (started: not applied)
+        ended = {o.request_id: o for o in engine.step() if o.finished}
+        if policy == "priority":
+            flex = ended.pop("flex")
+            assert (flex.finish_reason, flex.new_token_ids, flex.num_output_tokens) == ("queue_timeout", [], 0)
+            assert "flex" not in engine.scheduler.requests and not engine.kv.holds_blocks("flex")
+            assert engine.scheduler.num_queue_timeouts == 1
+        assert not ended
+        tokens = run_to_completion(engine)
+        assert len(tokens["running"]) == 30 - 3  # one token in each of the three steps above
+        assert ("flex" in tokens) == (policy == "fcfs")

@@ -47,7 +47,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "output_token_ids", "kv_handle", "prefill_here", "emitted_text_len")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "output_token_ids", "kv_handle", "prefill_here", "emitted_text_len", "queue_timeout_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class GenerateRequest(_message.Message):
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     EMITTED_TEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -64,7 +65,8 @@ class GenerateRequest(_message.Message):
     kv_handle: str
     prefill_here: bool
     emitted_text_len: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_handle: _Optional[str] = ..., prefill_here: _Optional[bool] = ..., emitted_text_len: _Optional[int] = ...) -> None: ...
+    queue_timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv_handle: _Optional[str] = ..., prefill_here: _Optional[bool] = ..., emitted_text_len: _Optional[int] = ..., queue_timeout_s: _Optional[float] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank")
@@ -304,18 +306,20 @@ class PushKVResponse(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "destination")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "destination", "queue_timeout_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     cache_salt: str
     destination: ReserveResponse
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
+    queue_timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., destination: _Optional[_Union[ReserveResponse, _Mapping]] = ..., queue_timeout_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first", "transfer_done", "transfer_ok", "transfer_error")
