@@ -15,7 +15,8 @@ Poisson arrivals at `--overload` x that rate for `--duration-s`: `--mix` says wh
 requests each tenant sends, each in its own class. At 30% of the run one decode worker is SIGKILLed
 and a new one started; at 60% Redis is stopped and started again.
 
-Reported per class: offered, admitted (200), shed (429), errors (another status with OpenAI's error
+Reported per class: offered, admitted (200), shed (429; and how many of those a worker ended
+unstarted at their queue timeout, the rest being the router's queue's), errors (another status with OpenAI's error
 body), lost (no answer at all, or a stream cut without an error: must be 0), attainment of the class's
 SLO among the admitted ones (TTFT and TPOT measured by the client), and p90 TTFT. Memory: the
 router's, each surviving worker's and the replacement's RSS sampled every second (the replacement's
@@ -192,6 +193,8 @@ def summarize(results: list[tuple[str, dict]]) -> list[dict]:
         ttfts = sorted(r["ttft"] for r in admitted)
         rows.append({"class": tier, "offered": len(mine), "admitted": len(admitted),
                      "shed": sum(r["outcome"] == "shed" for r in mine),
+                     # of those, ended unstarted at their queue timeout by a worker (the rest: the router's queue)
+                     "shed_by_worker": sum(r["outcome"] == "shed" and "this worker's queue" in r["why"] for r in mine),
                      "errors": sum(r["outcome"] == "error" for r in mine),
                      "lost": sum(r["outcome"] == "lost" for r in mine),
                      "why": sorted({r.get("why", "") for r in mine if r["outcome"] in ("lost", "error")})[:5],
@@ -308,13 +311,14 @@ def main() -> None:
 def print_table(report: dict) -> None:
     print(f"\n{report['cpu']}")
     print(f"capacity {report['capacity_rps']:.2f} req/s, offered {report['offered_rps']:.2f} req/s\n")
-    print("| class | offered | admitted | shed (429) | errors | lost | SLO (TTFT / TPOT ms) | attainment | "
-          "TTFT p90 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| class | offered | admitted | shed (429) | of them by a worker | errors | lost | SLO (TTFT / TPOT ms) | "
+          "attainment | TTFT p90 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in report["classes"]:
         att = "-" if r["attainment"] is None else f"{r['attainment']:.0%}"
         p90 = "-" if r["ttft_p90_s"] is None else f"{r['ttft_p90_s']:.2f} s"
-        print(f"| {r['class']} | {r['offered']} | {r['admitted']} | {r['shed']} | {r['errors']} | {r['lost']} | "
+        print(f"| {r['class']} | {r['offered']} | {r['admitted']} | {r['shed']} | {r['shed_by_worker']} | "
+              f"{r['errors']} | {r['lost']} | "
               f"{r['slo_ms'][0]} / {r['slo_ms'][1]} | {att} | {p90} |")
     growth = ", ".join(f"{k} {'-' if v is None else f'{v:+.1%}'}" for k, v in report["rss_growth"].items())
     print(f"\nRSS growth, last quarter over second: {growth}")
