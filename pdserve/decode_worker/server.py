@@ -81,7 +81,8 @@ class DecodeServicer(WorkerServicer):
         if request.prefill_here:
             self.receiver.release(handle)
             self.metrics.kv_transfers.labels("prefilled_here").inc()
-            return self.engine.resume(handle, False, outputs, emitted, request.queue_timeout_s or None)
+            return self.engine.resume(handle, False, outputs, emitted,
+                                      convert.queue_timeout_from_proto(request.queue_timeout_s))
         ok, reason = await self.receiver.wait(handle)
         incoming = self.receiver.release(handle)
         self._count_transfer(incoming, ok, reason)

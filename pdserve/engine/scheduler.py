@@ -124,7 +124,8 @@ class Scheduler:
         if self.policy != "priority":
             request.start_by = None  # fcfs: the work ahead bounds the wait
         elif request.start_by is not None:
-            self._next_start_by = min(request.start_by, self._next_start_by or request.start_by)
+            nxt = self._next_start_by
+            self._next_start_by = request.start_by if nxt is None else min(nxt, request.start_by)
 
     def expire_unstarted(self, now: float) -> list[Request]:
         """End waiting requests that never started and whose ``start_by`` has passed (status

@@ -68,6 +68,7 @@ class PrefillServicer(WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot send to this destination: {e}")
         try:
             params = convert.sampling_from_proto(request.sampling)
+            queue_timeout_s = convert.queue_timeout_from_proto(request.queue_timeout_s)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, convert.encode_invalid(e))
         prompt = list(request.prompt_token_ids)
@@ -75,7 +76,7 @@ class PrefillServicer(WorkerServicer):
         # the decode worker after the first token unless that token already ends it. (An async
         # generator: the engine validates the request on the first iteration, below.)
         stream = self.engine.generate(request.request_id, prompt, params, request.cache_salt or None,
-                                      handoff_after=1, start_within_s=request.queue_timeout_s or None)
+                                      handoff_after=1, start_within_s=queue_timeout_s)
         session = sender.open(dest, self.layout, len(prompt))
         skip = dest.cached_tokens // self.layout.block_size
         self.exporter.add(request.request_id, Export(session, skip, len(prompt)))

@@ -6,6 +6,7 @@ The router side is router/worker_client.py; the two agree on the messages of pro
 from __future__ import annotations
 
 import json
+import math
 
 from pdserve.engine.request import Logprob, RequestOutput
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -23,6 +24,13 @@ def sampling_from_proto(m: pb.SamplingParams) -> SamplingParams:
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
         include_stop_str_in_output=m.include_stop_str_in_output, priority=m.priority,
     )
+
+
+def queue_timeout_from_proto(seconds: float) -> float | None:
+    """A request's ``queue_timeout_s``: None for 0 (no bound); a negative or non-finite value is refused."""
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidRequestError("queue_timeout_s", f"must be a finite number of seconds >= 0, not {seconds}")
+    return seconds or None
 
 
 def _lp(lp: Logprob) -> pb.TokenLogprob:

@@ -95,7 +95,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         emitted = request.emitted_text_len if request.HasField("emitted_text_len") else None
         return self.engine.generate(request.request_id, list(request.prompt_token_ids), params,
                                     request.cache_salt or None, output_token_ids=list(request.output_token_ids),
-                                    emitted_text_len=emitted, start_within_s=request.queue_timeout_s or None)
+                                    emitted_text_len=emitted,
+                                    start_within_s=convert.queue_timeout_from_proto(request.queue_timeout_s))
 
     def abort(self, request_id: str) -> None:
         """Abort one request (the router's Abort): its blocks go back to the pool at once."""

@@ -7,6 +7,7 @@ tests/router/test_queue_timeout.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -50,3 +51,20 @@ def test_a_flex_request_overtaken_past_its_queue_timeout_ends_resource_exhausted
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "flex waited 0.3 s in this worker's queue without starting" in error.details()
     assert waited >= 0.3
+
+
+def test_a_queue_timeout_that_is_not_a_finite_number_of_seconds_is_refused_naming_it(make_engine):
+    async def body(stub):
+        codes = []
+        for seconds in (-1.0, float("nan"), float("inf")):
+            try:
+                async for _ in stub.Generate(pb.GenerateRequest(request_id=f"r{seconds}", prompt_token_ids=[1, 2],
+                                                                sampling=SAMPLING, queue_timeout_s=seconds)):
+                    pass
+                codes.append(None)
+            except grpc.aio.AioRpcError as e:
+                codes.append((e.code(), json.loads(e.details())["field"]))
+        return codes
+
+    codes = with_worker(make_engine(scheduling_policy="priority"), DecodeServicer, body)
+    assert codes == [(grpc.StatusCode.INVALID_ARGUMENT, "queue_timeout_s")] * 3
