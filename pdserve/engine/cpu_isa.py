@@ -76,6 +76,22 @@ def best_isa(flags: frozenset[str]) -> str:
     return [isa for isa in ORDER if all(f in flags for f in ISA_FLAGS[isa])][-1]
 
 
+def active_isa() -> str:
+    """The ISA this process computes with: the one ``CpuPlan.apply_env`` set, else the processor's best."""
+    return os.environ.get(ENV_ISA) or best_isa(cpu_flags())
+
+
+def few_rows(linear_path: str, isa: str) -> int:
+    """Up to how many rows a float32 projection goes through the C kernel that reads W once for all
+    of them, rather than ``linear_path``. Measured per ISA (benchmarks/decode_steps.py, and
+    benchmarks/cpu_matmul.py per projection): with AVX-512, oneDNN's packed GEMM is as fast from 4
+    rows on; on AVX2 the C kernel is faster up to 8 (the default model's decode step of 8
+    requests: 52 ms, against 75 ms through oneDNN) and level with it at 12."""
+    if linear_path == "onednn" and ORDER.index(isa) >= ORDER.index("avx512"):
+        return 4
+    return 8
+
+
 @dataclass(frozen=True)
 class CpuPlan:
     """The ISA the engine computes with, and why."""
@@ -114,7 +130,7 @@ class CpuPlan:
         paths = {"onednn": "float32 projections through oneDNN with packed weights",
                  "mkl": "float32 projections through MKL's SGEMM"}
         bf16 = "bfloat16 has dot products" if self.bf16_dot else "bfloat16 would be emulated (slow): keep float32"
-        few = 4 if self.linear_path == "onednn" else 8  # model.Linear.FEW_ROWS
+        few = few_rows(self.linear_path, self.isa)
         return f"CPU ISA {self.isa}: {why}; {paths[self.linear_path]}, 1-{few} rows through the C kernels; {bf16}"
 
     def apply_env(self) -> None:

@@ -28,9 +28,9 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.c", "
 def _cpu_flags() -> list[str]:
     """Compiler flags for the ISA the engine computes with (cpu_isa.py; the processor's best
     unless capped through ``PDSERVE_CPU_ISA``)."""
-    from pdserve.engine.cpu_isa import ENV_ISA, ORDER, best_isa, cpu_flags
+    from pdserve.engine.cpu_isa import ORDER, active_isa
 
-    isa = os.environ.get(ENV_ISA) or best_isa(cpu_flags())
+    isa = active_isa()
     level = ORDER.index(isa) if isa in ORDER else 0
     chosen = []
     if level >= ORDER.index("avx2"):

@@ -18,6 +18,7 @@ from torch import nn
 from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.config import ModelConfig, RopeScaling
+from pdserve.engine.cpu_isa import active_isa, few_rows
 from pdserve.engine.cpu_kernels import usable
 
 
@@ -26,8 +27,9 @@ class Linear(nn.Module):
 
     On CPU (after ``prepare_for_cpu``, with the path ``cpu_isa`` chose for this processor): one
     row (single-request decode) goes through a C gemv that streams W's rows, split across
-    threads, and up to ``FEW_ROWS`` rows through a C kernel that reads each row of W once for
-    all of them (25-45% faster than ``bmm`` at 2-7 rows). More rows: with the ``onednn`` path,
+    threads, and up to ``cpu_isa.few_rows`` rows (4 or 8, by path and ISA) through a C kernel
+    that reads each row of W once for all of them (25-45% faster than ``bmm`` at 2-7 rows; the
+    rows past a multiple of 4 in one more pass, not one pass each). More rows: with the ``onednn`` path,
     oneDNN with W packed once into its blocked layout (``_linear_pointwise``); with ``mkl``, up to
     ``SPLIT_MAX_ROWS`` rows W's rows are split into one contiguous half per thread and ``bmm``
     runs one single-threaded GEMM each (10-40% faster than one multi-threaded ``mm`` on 2 AVX2
@@ -41,17 +43,13 @@ class Linear(nn.Module):
     # in buckets of 16 by under 100 MiB, flat once each bucket was seen. The rows' outputs are bitwise
     # those of the unpadded call (benchmarks/onednn_shapes.py; tests/engine/test_cpu_isa.py).
     ROW_BUCKET = 16
-    # Up to this many rows, a C kernel that reads W once (decode, speculative verification, small
-    # batches): against MKL up to 8, against packed oneDNN up to 4 (from 4-8 rows oneDNN is as fast
-    # or faster: benchmarks/cpu_matmul.py).
-    FEW_ROWS = {"mkl": 8, "onednn": 4}
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.parts = 1
         self.kernels = None
-        self.few_rows = self.FEW_ROWS["mkl"]
+        self.few_rows = 8  # up to this many rows, the C kernel (cpu_isa.few_rows, by path and ISA)
         self.path = "mkl"
         self._packed: tuple[torch.Tensor, tuple[int, int]] | None = None  # W in oneDNN's layout, and of which W
 
@@ -59,7 +57,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(self.weight.detach().contiguous(), requires_grad=False)
         self.parts = parts if parts > 1 and self.weight.shape[0] % parts == 0 else 1
         self.kernels = kernels if self.weight.dtype == torch.float32 else None
-        self.path, self.few_rows, self._packed = path, self.FEW_ROWS[path], None
+        self.path, self.few_rows, self._packed = path, few_rows(path, active_isa()), None
         if path == "onednn":
             self.packed_weight()
 

@@ -140,7 +140,29 @@ static inline float bf16_to_f32(uint16_t h) {
                 y[(r + 2) * n + i] = a2;                                                              \
                 y[(r + 3) * n + i] = a3;                                                              \
             }                                                                                         \
-            for (; r < m; r++) {                                                                      \
+            if (m - r == 3) { /* the rest in one more pass over wi, not one per row */                \
+                const float *x0 = x + r * k, *x1 = x0 + k, *x2 = x1 + k;                              \
+                float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;                                                \
+                _Pragma("omp simd reduction(+ : a0, a1, a2)") for (int64_t j = 0; j < k; j++) {        \
+                    const float wj = LOAD(wi[j]);                                                     \
+                    a0 += wj * x0[j];                                                                 \
+                    a1 += wj * x1[j];                                                                 \
+                    a2 += wj * x2[j];                                                                 \
+                }                                                                                     \
+                y[r * n + i] = a0;                                                                    \
+                y[(r + 1) * n + i] = a1;                                                              \
+                y[(r + 2) * n + i] = a2;                                                              \
+            } else if (m - r == 2) {                                                                  \
+                const float *x0 = x + r * k, *x1 = x0 + k;                                            \
+                float a0 = 0.0f, a1 = 0.0f;                                                           \
+                _Pragma("omp simd reduction(+ : a0, a1)") for (int64_t j = 0; j < k; j++) {            \
+                    const float wj = LOAD(wi[j]);                                                     \
+                    a0 += wj * x0[j];                                                                 \
+                    a1 += wj * x1[j];                                                                 \
+                }                                                                                     \
+                y[r * n + i] = a0;                                                                    \
+                y[(r + 1) * n + i] = a1;                                                              \
+            } else if (m - r == 1) {                                                                  \
                 const float *xr = x + r * k;                                                          \
                 float a = 0.0f;                                                                       \
                 _Pragma("omp simd reduction(+ : a)") for (int64_t j = 0; j < k; j++) a +=             \

@@ -1,0 +1,66 @@
+"""Decode step time by batch size on this processor: the engine of the default model (float32, 2
+threads), each batch of requests prefilled (512-token prompts), then ``--steps`` decode steps timed.
+Shows where the projections' path changes (the C few-rows kernel up to ``cpu_isa.few_rows`` rows,
+then the ``linear_path``; engine/cpu_isa.py), and with ``--few-rows N`` what another threshold would give.
+
+    python benchmarks/decode_steps.py                  # this processor's thresholds
+    python benchmarks/decode_steps.py --few-rows 4     # the C kernel up to 4 rows only
+
+Prints the table (ms per step, tokens per second) with the processor's flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from pdserve.engine.cpu_isa import describe_cpu  # noqa: E402
+from pdserve.engine.model import Linear  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model (default: smollm2-135m-instruct)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    parser.add_argument("--batches", default="1,2,3,4,5,6,8,12,16", help="batch sizes, comma-separated")
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per request (default: 512)")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size (default: 20)")
+    parser.add_argument("--few-rows", type=int, default=None,
+                        help="override the C kernel's row threshold (default: the processor's, cpu_isa.few_rows)")
+    args = parser.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, num_threads=args.threads, load_progress=False,
+                                    enable_prefix_caching=False))
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    if args.few_rows is not None:
+        for m in linears:
+            m.few_rows = args.few_rows
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+    print(f"CPU: {describe_cpu()}")
+    print(f"C kernel up to {linears[0].few_rows} rows, then {linears[0].path}\n")
+    print("| batch | ms per decode step | tokens/s |\n|---:|---:|---:|")
+    for b in (int(x) for x in args.batches.split(",")):
+        ids = [f"b{b}-{i}" for i in range(b)]
+        for rid in ids:
+            engine.add_request(rid, [rng.randrange(100, 40000) for _ in range(args.prompt)], params)
+        while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                              for r in engine.scheduler.running):
+            engine.step()
+        engine.step()  # a first decode step outside the timing
+        started = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        step = (time.perf_counter() - started) / args.steps
+        print(f"| {b} | {step * 1000:.1f} | {b / step:.1f} |", flush=True)
+        engine.abort_request(ids)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
