@@ -89,13 +89,23 @@ async def first_message(call, worker: WorkerHandle) -> pb.GenerateResponse | Non
     down = asyncio.ensure_future(worker.down.wait())
     try:
         done, _ = await asyncio.wait({first, down}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled (another choice of the request failed, or its client left)
+        _drop(first)
+        raise
     finally:
         down.cancel()
     if first not in done:
-        first.cancel()
+        _drop(first)
         raise WorkerDown()
     msg = first.result()
     return None if msg is grpc.aio.EOF else msg
+
+
+def _drop(read: asyncio.Future) -> None:
+    """A read nobody will wait for: cancelled, and its failure (if it failed first) marked seen, not
+    logged as "Task exception was never retrieved" when it is collected."""
+    read.cancel()
+    read.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 async def rest_of_stream(call, worker: WorkerHandle, idle_timeout_s: float) -> AsyncIterator[pb.GenerateResponse]:
