@@ -53,11 +53,14 @@ class Linear(nn.Module):
         self.path = "mkl"
         self._packed: tuple[torch.Tensor, tuple[int, int]] | None = None  # W in oneDNN's layout, and of which W
 
-    def prepare_for_cpu(self, parts: int, kernels, path: str = "mkl") -> None:
+    def prepare_for_cpu(self, parts: int, kernels, path: str = "mkl", rows: int | None = None) -> None:
+        """``rows``: up to how many rows the C kernel takes (None: ``cpu_isa.few_rows`` for this path
+        and the active ISA; the model passes it, worked out once for all its projections)."""
         self.weight = nn.Parameter(self.weight.detach().contiguous(), requires_grad=False)
         self.parts = parts if parts > 1 and self.weight.shape[0] % parts == 0 else 1
         self.kernels = kernels if self.weight.dtype == torch.float32 else None
-        self.path, self.few_rows, self._packed = path, few_rows(path, active_isa()), None
+        self.path, self._packed = path, None
+        self.few_rows = few_rows(path, active_isa()) if rows is None else rows
         if path == "onednn":
             self.packed_weight()
 
@@ -243,9 +246,10 @@ class LlamaForCausalLM(nn.Module):
         once after loading."""
         # the activations' dtype (the norms'): a bf16 embedding table under float32 activations still takes them
         kernels = cpu_kernels.load_kernels() if self.norm.weight.dtype == torch.float32 else None
+        rows = few_rows(linear_path, active_isa())  # the ISA once (it may read /proc/cpuinfo), not per projection
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepare_for_cpu(threads, kernels, linear_path)
+                module.prepare_for_cpu(threads, kernels, linear_path, rows)
             elif isinstance(module, (RMSNorm, MLP)):
                 module.kernels = kernels
         if self.config.tie_word_embeddings and isinstance(self.lm_head, Linear):  # (a bf16 head has its own copy)
