@@ -68,7 +68,7 @@ from pdserve.bench.metrics import SLO, RequestRecord, Summary, summarize
 from pdserve.cluster.autoscale import AutoscalingConfig, PoolPolicy, PoolSignals
 from pdserve.configs import ConfigError
 from pdserve.engine.block_pool import KVEventBuffer
-from pdserve.engine.engine import PREFILL_RATE_MIN_TOKENS, PREFILL_RATE_STEPS
+from pdserve.engine.engine import DECODE_STEP_SAMPLES, PREFILL_RATE_MIN_TOKENS, PREFILL_RATE_STEPS
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -276,6 +276,7 @@ class _Replica:
         self.finished = 0  # requests it finished (the autoscaler's "served since the last report")
         self.stats = ReplicaStats(worker_id, role, now, None, None, 0, 0.0, 0, 0, 0)
         self._prefill_steps: deque[tuple[int, float]] = deque(maxlen=PREFILL_RATE_STEPS)
+        self._decode_steps: deque[tuple[int, float]] = deque(maxlen=DECODE_STEP_SAMPLES)  # (sequences, seconds)
         self._generated: deque[tuple[float, int]] = deque()  # (step end, tokens) within the rate window
         self._generated_sum = 0
         self._snapshot = WorkerLoad(worker_id, 0, 0, 0, 0.0)
@@ -323,8 +324,12 @@ class _Replica:
             self._generated_sum -= self._generated.popleft()[1]
         seconds = sum(t for _, t in self._prefill_steps)
         prefill_rate = sum(n for n, _ in self._prefill_steps) / seconds if seconds > 0 else 0.0
+        steps = self._decode_steps
+        decode_s = sum(t for _, t in steps) / len(steps) if steps else 0.0
+        decode_seqs = sum(n for n, _ in steps) / len(steps) if steps else 0.0
         return WorkerLoad(self.worker_id, 0, s.num_running, s.num_waiting, self.kv.usage, waiting_prompt, 0,
-                          self._generated_sum / 5.0, prefill_rate, self.kv.pool.num_free_blocks * self.kv.block_size)
+                          self._generated_sum / 5.0, prefill_rate, self.kv.pool.num_free_blocks * self.kv.block_size,
+                          decode_s, decode_seqs)
 
     def begin_step(self, profile: Profile, batch: list[Request] | None):
         """Schedule a step: (its output, its seconds), or None with nothing to run. ``batch``: the requests
@@ -339,8 +344,10 @@ class _Replica:
         seconds = profile.step_s(features_of(out.scheduled))
         prompt = sum(max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start)
                      for s in out.scheduled)
-        if prompt >= PREFILL_RATE_MIN_TOKENS:  # as the engine measures its prefill rate
+        if prompt >= PREFILL_RATE_MIN_TOKENS:  # as the engine measures its prefill rate and decode step
             self._prefill_steps.append((prompt, seconds))
+        elif not prompt:
+            self._decode_steps.append((len(out.scheduled), seconds))
         self.stepping = True
         self.stats.steps += 1
         self.stats.busy_s += seconds
@@ -395,6 +402,7 @@ class _Replica:
             r.num_computed_tokens = n + 1
             context += n + 1
         seconds = profile.step_s(StepFeatures(decode_seqs=len(batch), decode_context=context))
+        self._decode_steps.append((len(batch), seconds))
         self.stepping = True
         self.stats.steps += 1
         self.stats.busy_s += seconds
@@ -487,6 +495,7 @@ class _Replica:
             r.num_computed_tokens = run.base[i] + j
             if kv.allocate_slots(r, 1) is None:
                 raise AssertionError(f"{self.worker_id}: no block for {r.request_id} after counting free ones")
+        self._decode_steps.append((len(run.batch), run.seconds[j]))
         self.stats.steps += 1
         self.stats.busy_s += run.seconds[j]
 

@@ -55,6 +55,8 @@ class EngineStats:
     spec_accepted: int = 0
     spec_steps: int = 0
     prefill_tokens_per_s: float = 0.0  # prompt tokens per second of the recent steps computing prompts (0: none yet)
+    decode_step_s: float = 0.0  # mean seconds of its recent decode-only steps (0: none yet)
+    decode_step_seqs: float = 0.0  # their mean number of sequences
 
 
 # Steps computing at least this many prompt tokens count in the measured prefill rate. A rate in tokens
@@ -64,6 +66,10 @@ class EngineStats:
 # prompts off its prefill pool.
 PREFILL_RATE_MIN_TOKENS = 256
 PREFILL_RATE_STEPS = 16  # the rate is over this many such steps, however old (an idle worker keeps it)
+# The measured decode step is over this many steps that computed no prompt token, however old. Steps
+# with a prompt chunk are left out: the routers count a worker's prompt work apart (its queue), and a
+# step time that held a chunk made a worker busy with prompts look many times slower to decode.
+DECODE_STEP_SAMPLES = 16
 
 
 @dataclass
@@ -148,6 +154,7 @@ class LLMEngine:
         self._text: dict[str, _TextState] = {}
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0}
         self._prefill_steps: deque[tuple[int, float]] = deque(maxlen=PREFILL_RATE_STEPS)  # (prompt tokens, seconds)
+        self._decode_steps: deque[tuple[int, float]] = deque(maxlen=DECODE_STEP_SAMPLES)  # (sequences, seconds)
         # Called after each step that ran with (its SchedulerOutput, the step's seconds, schedule to
         # outputs); `pdserve profile` times steps through it. None: nothing is called.
         self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
@@ -308,8 +315,11 @@ class LLMEngine:
                      for s in sched.scheduled)
         start = time.perf_counter()
         model_out = self.runner.execute(sched)
+        seconds = time.perf_counter() - start
         if prompt >= PREFILL_RATE_MIN_TOKENS:
-            self._prefill_steps.append((prompt, time.perf_counter() - start))
+            self._prefill_steps.append((prompt, seconds))
+        elif not prompt:
+            self._decode_steps.append((len(sched.scheduled), seconds))
         outputs = self._process(self.scheduler.update(sched, model_out))
         if self.step_observer is not None:
             self.step_observer(sched, time.perf_counter() - began)
@@ -320,6 +330,14 @@ class LLMEngine:
         what a prompt sent here costs); 0.0 before the first. The routers' cost model reads it."""
         seconds = sum(t for _, t in self._prefill_steps)
         return sum(n for n, _ in self._prefill_steps) / seconds if seconds > 0 else 0.0
+
+    def decode_step(self) -> tuple[float, float]:
+        """Mean seconds and mean sequences of the last steps that computed no prompt token (0.0, 0.0
+        before the first). The routers' cost model reads it as this worker's decode step."""
+        steps = self._decode_steps
+        if not steps:
+            return 0.0, 0.0
+        return sum(t for _, t in steps) / len(steps), sum(n for n, _ in steps) / len(steps)
 
     def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
         outputs = []
@@ -409,6 +427,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         waiting_prompt = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+        decode_s, decode_seqs = self.decode_step()
         c = self._counters
         return EngineStats(
             num_running=self.scheduler.num_running,
@@ -427,4 +446,6 @@ class LLMEngine:
             spec_accepted=self.scheduler.spec_totals[1],
             spec_steps=self.scheduler.spec_totals[2],
             prefill_tokens_per_s=self.prefill_rate(),
+            decode_step_s=decode_s,
+            decode_step_seqs=decode_seqs,
         )

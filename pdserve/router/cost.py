@@ -9,7 +9,8 @@ For a request of P prompt tokens, with c_w of them predicted cached on worker w:
                      steps computing prompts), else the model's prefill_tokens_per_s
     queue(w)       = max(its queued prompt tokens, this router's in flight there) / rate(w)
     step(w)        = its decode step: the model's decode_step_s + decode_step_s_per_seq x batch, or
-                     longer where its snapshot measured longer (running / generation tokens/s)
+                     longer where its snapshot measured longer (its recent steps that computed no
+                     prompt token, + decode_step_s_per_seq for each sequence more now)
     local(d)       = queue(d) + t + interference x t x (batch(d) + 1),    t = uncached(d) / rate(d)
                      (a prompt prefilled on a decode worker holds the decode steps of its batch, and of
                      the requests joining it meanwhile, counted as one more, for t)
@@ -90,12 +91,15 @@ def shortfall_s(w: WorkerLoad, tokens: int, m: CostModel) -> float:
 
 def step_s(w: WorkerLoad, m: CostModel) -> float:
     """The worker's decode step now: the model's, or slower where the worker's snapshot measured
-    slower (running / generation tokens/s). Never faster: an idle worker has no measurement, and a
-    busy one must not look cheaper than an idle one because it was measured."""
+    slower (its recent decode-only steps, at their batch, plus ``decode_step_s_per_seq`` for each
+    sequence more now). Never faster: an idle worker has no measurement, and a busy one must not
+    look cheaper than an idle one because it was measured. Steps that held a prompt chunk are not in
+    the measurement: the prompt work ahead is ``queue_s`` and the interference term's, and a step
+    time of a worker busy with prompts (as running / generation tokens/s had it) counted it again,
+    several times over, taking requests off the worker that holds their prefix."""
     modelled = m.decode_step_s + m.decode_step_s_per_seq * batch(w)
-    if w.num_running > 0 and w.generation_tokens_per_s > 0:
-        measured = w.num_running / w.generation_tokens_per_s
-        return max(modelled, measured + m.decode_step_s_per_seq * max(batch(w) - w.num_running, 0))
+    if w.decode_step_s > 0:
+        return max(modelled, w.decode_step_s + m.decode_step_s_per_seq * max(batch(w) - w.decode_step_seqs, 0))
     return modelled
 
 
@@ -125,8 +129,9 @@ def decode_cost(w: WorkerLoad, req: RouteRequest, m: CostModel) -> float:
     if w.inflight > b:
         b = w.inflight
     step = m.decode_step_s + m.decode_step_s_per_seq * b
-    if w.num_running > 0 and w.generation_tokens_per_s > 0:
-        measured = w.num_running / w.generation_tokens_per_s + m.decode_step_s_per_seq * (b - w.num_running)
+    if w.decode_step_s > 0:
+        more = b - w.decode_step_seqs
+        measured = w.decode_step_s + m.decode_step_s_per_seq * (more if more > 0 else 0)
         step = max(step, measured)
     u = req.prompt_tokens - req.cached.get(w.worker_id, 0)
     u = u if u > 0 else 0

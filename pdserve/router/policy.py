@@ -26,9 +26,11 @@ class WorkerLoad(NamedTuple):
     kv_usage: float
     waiting_prompt_tokens: int = 0
     inflight_tokens: int = 0  # prompt tokens of this router's requests in flight there, not yet computed
-    generation_tokens_per_s: float = 0.0  # from its snapshot: with num_running, its decode step time
+    generation_tokens_per_s: float = 0.0  # from its snapshot: its recent generation rate (a metric)
     prefill_tokens_per_s: float = 0.0  # from its snapshot: its measured prefill rate (0: not yet; the model's)
     free_kv_tokens: int = -1  # from its snapshot: free KV blocks x block size (-1: unknown)
+    decode_step_s: float = 0.0  # from its snapshot: its recent decode-only steps' mean seconds (0: none yet)
+    decode_step_seqs: float = 0.0  # and their mean sequences
 
 
 def least_loaded_key(w: WorkerLoad) -> tuple:

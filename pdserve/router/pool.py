@@ -57,7 +57,7 @@ class WorkerHandle:
         free = s.num_free_kv_blocks * self.info.block_size if self.snapshot and self.info else -1
         return WorkerLoad(self.worker_id, self.inflight, s.num_running, s.num_waiting, s.kv_usage,
                           s.waiting_prompt_tokens, self.inflight_tokens, s.generation_tokens_per_s,
-                          s.prefill_tokens_per_s, free)
+                          s.prefill_tokens_per_s, free, s.decode_step_s, s.decode_step_seqs)
 
 
 class WorkerPool:

@@ -176,7 +176,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             generation_tokens_total=s.generation_tokens, waiting_prompt_tokens=s.waiting_prompt_tokens,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, draining=self.draining, timestamp=time.time(),
-            prefill_tokens_per_s=s.prefill_tokens_per_s,
+            prefill_tokens_per_s=s.prefill_tokens_per_s, decode_step_s=s.decode_step_s,
+            decode_step_seqs=s.decode_step_seqs,
         )
 
     async def Info(self, request, context) -> pb.WorkerInfo:

@@ -192,7 +192,7 @@ def test_fast_decode_steps_give_what_the_schedulers_steps_give(pools, policy, bl
     """Decode-only steps skipped past the scheduler, in runs of one event that the router's polls
     and arrivals break into: every record, replica count and decision as the scheduler's steps give."""
     # Few blocks and seats: preemptions, full batches with a queue, evictions of cached prefixes.
-    config = SimConfig(prefill_replicas=pools[0], decode_replicas=pools[1], policy=policy, num_kv_blocks=160 * 16 //
+    config = SimConfig(prefill_replicas=pools[0], decode_replicas=pools[1], policy=policy, num_kv_blocks=140 * 16 //
                        block_size, max_num_seqs=8, block_size=block_size, poll_interval_s=0.03)
     requests = mixed_requests(200, 60.0, seed=9)
     fast = run_checked(config, requests)

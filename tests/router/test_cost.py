@@ -15,9 +15,11 @@ from pdserve.router.policy import POLICIES, WorkerLoad
 M = CostModel(interference=1.0)  # 500 prompt tokens/s; decode step 20 ms + 2 ms a sequence
 
 
-def load(name: str, running: int = 0, waiting_tokens: int = 0, inflight: int = 0, tps: float = 0.0,
-         prefill_tps: float = 0.0, free: int = -1) -> WorkerLoad:
-    return WorkerLoad(name, inflight, running, 0, 0.0, waiting_tokens, 0, tps, prefill_tps, free)
+def load(name: str, running: int = 0, waiting_tokens: int = 0, inflight: int = 0, step: float = 0.0,
+         prefill_tps: float = 0.0, free: int = -1, tps: float = 0.0) -> WorkerLoad:
+    """``step``: its measured decode-only step, at a batch of ``running``; ``tps``: its generation rate
+    (a metric only: a worker busy with prompts generates slowly without decoding slowly)."""
+    return WorkerLoad(name, inflight, running, 0, 0.0, waiting_tokens, 0, tps, prefill_tps, free, step, running)
 
 
 def pick(policy: str, workers, req: RouteRequest, role: str = "decode") -> str:
@@ -40,10 +42,14 @@ def pick(policy: str, workers, req: RouteRequest, role: str = "decode") -> str:
     ([load("a", inflight=4), load("b", running=1)], RouteRequest(500), "b"),
     # ... and by queued prompt tokens
     ([load("a", running=1, waiting_tokens=2000), load("b", running=1)], RouteRequest(500), "b"),
-    # a worker that decodes slowly (its snapshot: 2 running at 20 tokens/s, a 100 ms step) loses
-    ([load("a", running=2, tps=20.0), load("b", running=2, tps=80.0)], RouteRequest(50), "b"),
+    # a worker that decodes slowly (its snapshot: decode-only steps of 2 sequences, 100 ms) loses
+    ([load("a", running=2, step=0.1), load("b", running=2, step=0.025)], RouteRequest(50), "b"),
     # ... but a busy worker measured faster than the model never beats an idle one
-    ([load("a", running=1, tps=1000.0), load("b")], RouteRequest(50), "b"),
+    ([load("a", running=1, step=0.001), load("b")], RouteRequest(50), "b"),
+    # a holder busy with a prompt (generating at 2 tokens/s, its decode-only steps 30 ms) keeps its hit: the
+    # prompt work is its queue (1,000 tokens, 2 s) and counted there only; the rate is not its decode step
+    ([load("a", running=2), load("b", running=2, waiting_tokens=1000, step=0.03, tps=2.0)],
+     RouteRequest(1000, {"b": 960}), "b"),
     # with a prefill worker (remote_s), a hit on the decode worker matters less: only the transfer
     ([load("a", running=1), load("b", running=2)], RouteRequest(1000, {"b": 960}, remote_s=0.1), "a"),
     # KV pressure: a short hit on a worker with no free blocks loses (what does not fit is recomputed)...
@@ -140,8 +146,8 @@ def test_decision_with_64_workers_takes_well_under_a_millisecond():
     assert min(medians) < 1e-3
 
 
-@pytest.mark.parametrize("w", [load("a"), load("a", running=5, waiting_tokens=300, inflight=2, tps=40.0),
-                               load("a", running=2, tps=1000.0), load("a", inflight=7),
+@pytest.mark.parametrize("w", [load("a"), load("a", running=5, waiting_tokens=300, inflight=7, step=0.125),
+                               load("a", running=2, step=0.002), load("a", inflight=7),
                                load("a", running=1, prefill_tps=900.0, free=200), load("a", free=100_000)])
 @pytest.mark.parametrize("req", [RouteRequest(700), RouteRequest(700, {"a": 640}), RouteRequest(700, remote_s=0.3),
                                  RouteRequest(700, {"a": 320}, remote_s=5.0)])

@@ -143,7 +143,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadSnapshot(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "kv_usage", "generation_tokens_per_s", "prompt_tokens_total", "generation_tokens_total", "waiting_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "draining", "timestamp", "prefill_tokens_per_s")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "kv_usage", "generation_tokens_per_s", "prompt_tokens_total", "generation_tokens_total", "waiting_prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "draining", "timestamp", "prefill_tokens_per_s", "decode_step_s", "decode_step_seqs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,8 @@ class LoadSnapshot(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEP_SEQS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -178,7 +180,9 @@ class LoadSnapshot(_message.Message):
     draining: bool
     timestamp: float
     prefill_tokens_per_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., waiting_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., draining: _Optional[bool] = ..., timestamp: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    decode_step_s: float
+    decode_step_seqs: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., prompt_tokens_total: _Optional[int] = ..., generation_tokens_total: _Optional[int] = ..., waiting_prompt_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., draining: _Optional[bool] = ..., timestamp: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., decode_step_s: _Optional[float] = ..., decode_step_seqs: _Optional[float] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
