@@ -68,7 +68,7 @@ from pdserve.bench.metrics import SLO, RequestRecord, Summary, summarize
 from pdserve.cluster.autoscale import AutoscalingConfig, PoolPolicy, PoolSignals
 from pdserve.configs import ConfigError
 from pdserve.engine.block_pool import KVEventBuffer
-from pdserve.engine.engine import DECODE_STEP_SAMPLES, PREFILL_RATE_MIN_TOKENS, PREFILL_RATE_STEPS
+from pdserve.engine.engine import DECODE_STEP_SAMPLES, PREFILL_RATE_MIN_TOKENS, PREFILL_RATE_STEPS, mean_decode_step
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -324,9 +324,7 @@ class _Replica:
             self._generated_sum -= self._generated.popleft()[1]
         seconds = sum(t for _, t in self._prefill_steps)
         prefill_rate = sum(n for n, _ in self._prefill_steps) / seconds if seconds > 0 else 0.0
-        steps = self._decode_steps
-        decode_s = sum(t for _, t in steps) / len(steps) if steps else 0.0
-        decode_seqs = sum(n for n, _ in steps) / len(steps) if steps else 0.0
+        decode_s, decode_seqs = mean_decode_step(self._decode_steps)
         return WorkerLoad(self.worker_id, 0, s.num_running, s.num_waiting, self.kv.usage, waiting_prompt, 0,
                           self._generated_sum / 5.0, prefill_rate, self.kv.pool.num_free_blocks * self.kv.block_size,
                           decode_s, decode_seqs)

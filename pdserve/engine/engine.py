@@ -72,6 +72,14 @@ PREFILL_RATE_STEPS = 16  # the rate is over this many such steps, however old (a
 DECODE_STEP_SAMPLES = 16
 
 
+def mean_decode_step(steps: deque[tuple[int, float]]) -> tuple[float, float]:
+    """(mean seconds, mean sequences) of (sequences, seconds) samples; (0.0, 0.0) without any (the
+    engine's and the simulator's replicas' measured decode step)."""
+    if not steps:
+        return 0.0, 0.0
+    return sum(t for _, t in steps) / len(steps), sum(n for n, _ in steps) / len(steps)
+
+
 @dataclass
 class _TextState:
     """Per-request text: what was decoded, what was emitted, what is held back for stop strings.
@@ -334,10 +342,7 @@ class LLMEngine:
     def decode_step(self) -> tuple[float, float]:
         """Mean seconds and mean sequences of the last steps that computed no prompt token (0.0, 0.0
         before the first). The routers' cost model reads it as this worker's decode step."""
-        steps = self._decode_steps
-        if not steps:
-            return 0.0, 0.0
-        return sum(t for _, t in steps) / len(steps), sum(n for n, _ in steps) / len(steps)
+        return mean_decode_step(self._decode_steps)
 
     def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
         outputs = []

@@ -264,3 +264,20 @@ def test_priority_policy_ends_a_request_still_unstarted_at_its_start_bound(make_
         tokens = run_to_completion(engine)
         assert len(tokens["running"]) == 30 - 3  # one token in each of the three steps above
         assert ("flex" in tokens) == (policy == "fcfs")
+
+
+def test_the_measured_decode_step_counts_only_steps_without_a_prompt_token(make_engine):
+    """The routers' decode-step term (router/cost.py step_s): steps that held a prompt chunk are left out."""
+    engine = make_engine(max_num_batched_tokens=8)
+    decode_only = []
+    engine.step_observer = lambda sched, seconds: decode_only.append(
+        all(s.start >= s.request.num_prompt_tokens for s in sched.scheduled))
+    assert engine.decode_step() == (0.0, 0.0)
+    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.add_request("b", list(range(100, 130)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    run_to_completion(engine)
+    assert any(decode_only) and not all(decode_only)  # some steps mixed "a"'s decodes with "b"'s chunks
+    assert len(engine._decode_steps) == sum(decode_only)
+    seconds, seqs = engine.decode_step()
+    assert seconds > 0 and 1 <= seqs <= 2
+    assert (engine.stats().decode_step_s, engine.stats().decode_step_seqs) == (seconds, seqs)
