@@ -203,6 +203,7 @@ class Router:
         self.pool = pool  # every model's workers
         self.discovery = discovery  # workers joining and leaving through the state store
         self.metrics = RouterMetrics()
+        self._gauged_workers: set[str] = set()  # workers with per-worker gauges exported now
         # The global prefix index, fed by the workers' KV events through the state store (none
         # without one: --worker addresses alone publish nowhere, and cache_aware knows only where
         # it sent recent prompts). Keyed by worker: one index serves every model.
@@ -372,8 +373,17 @@ class Router:
 
     def _refresh_worker_gauges(self) -> None:
         m = self.metrics
-        m.workers_healthy.set(len(self.pool.healthy()))
-        for w in self.pool.workers:
+        per_worker = (m.worker_running, m.worker_waiting, m.worker_kv_usage, m.worker_tps)
+        in_rotation = self.pool.healthy()
+        m.workers_healthy.set(len(in_rotation))
+        listed = {w.worker_id for w in in_rotation}
+        # A worker out of rotation or gone shows nothing: its last snapshot (say a request running)
+        # is no longer polled and would otherwise stay here for good.
+        for gone in self._gauged_workers - listed:
+            for gauge in per_worker:
+                gauge.remove(gone)
+        self._gauged_workers = listed
+        for w in in_rotation:
             s = w.snapshot or pb.LoadSnapshot()
             m.worker_running.labels(w.worker_id).set(s.num_running)
             m.worker_waiting.labels(w.worker_id).set(s.num_waiting)

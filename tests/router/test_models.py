@@ -154,3 +154,31 @@ def test_several_models_must_each_be_named(tokenizers):
     with pytest.raises(ConfigError, match="each is named"):
         Router(RouterConfig(), WorkerPool([]), [ServedModel(MODEL, tokenizers[MODEL]),
                                                 ServedModel(GEMMA, tokenizers[GEMMA], GEMMA)])
+
+
+def test_a_worker_that_left_the_pool_leaves_the_per_worker_gauges(tokenizers):
+    """/metrics shows the last snapshot of each worker in rotation; a worker out of rotation or gone
+    from the pool shows none (its last snapshot, say one request running, would otherwise stay)."""
+    small, gemma = _worker(MODEL, 1, 11), _worker(GEMMA, 2, 22)
+    small.snapshot = pb.LoadSnapshot(num_running=1, num_waiting=2)
+    pool = WorkerPool([])
+    pool.workers = [small, gemma]
+    router = Router(RouterConfig(), pool, [ServedModel(MODEL, tokenizers[MODEL], MODEL),
+                                           ServedModel(GEMMA, tokenizers[GEMMA], GEMMA)])
+
+    def scrape() -> str:
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as c:
+                return (await c.get("/metrics")).text
+        return run(go())
+
+    app = router.create_app()
+    assert f'pdserve_worker_num_running{{worker="{small.worker_id}"}} 1.0' in scrape()
+    small.healthy = False  # out of rotation: no longer polled
+    assert f'worker="{small.worker_id}"' not in scrape()
+    small.healthy = True
+    assert f'pdserve_worker_num_running{{worker="{small.worker_id}"}} 1.0' in scrape()
+    pool.workers = [gemma]  # gone from the pool
+    text = scrape()
+    assert f'worker="{small.worker_id}"' not in text
+    assert f'pdserve_worker_num_running{{worker="{gemma.worker_id}"}} 0.0' in text
