@@ -83,10 +83,10 @@ class RouterMetrics:
                                             "their block lists, by reason (joined, gap, store) and result (ok, "
                                             "failed)", ["reason", "result"], registry=r)
         self.workers_healthy = Gauge("pdserve_router_workers_healthy", "Workers in rotation", registry=r)
-        self.worker_running = Gauge("pdserve_worker_num_running", "Running requests (worker snapshot; workers in rotation)",
-                                    ["worker"], registry=r)
-        self.worker_waiting = Gauge("pdserve_worker_num_waiting", "Waiting requests (worker snapshot; workers in rotation)",
-                                    ["worker"], registry=r)
+        self.worker_running = Gauge("pdserve_worker_num_running", "Running requests (worker snapshot; workers "
+                                    "in rotation)", ["worker"], registry=r)
+        self.worker_waiting = Gauge("pdserve_worker_num_waiting", "Waiting requests (worker snapshot; workers "
+                                    "in rotation)", ["worker"], registry=r)
         self.worker_kv_usage = Gauge("pdserve_worker_kv_cache_usage", "KV-cache blocks in use, fraction",
                                      ["worker"], registry=r)
         self.worker_tps = Gauge("pdserve_worker_generation_tokens_per_second", "Recent generation rate",
