@@ -14,7 +14,12 @@ with `--num-kv-blocks` set so that the workload's working set does not fit one w
       `--turns` turns one after another; a turn
       re-sends the previous turn's prompt, a stand-in for the answer (`--answer-tokens`) and a
       new question (the bench's chat workload renders its answers through the chat template;
-      here the growing context is explicit token ids, so the oracle below is exact).
+      here the growing context is explicit token ids, so the oracle below is exact). By default a
+      closed loop: each turn as soon as the previous answer arrives, so each policy sets its own
+      rate and latency mostly mirrors throughput (Little's law). `--chat-rate R` paces it instead:
+      each user sends its turns at its own Poisson times, R turns a second over all users, a turn
+      whose previous answer has not arrived waiting for it (a user reads before replying); while
+      a cluster keeps up, every policy serves the same requests at the same times.
 With `--routers 2`, one more row: cache_aware with two routers reading one index through the same
 Redis, requests alternating between them (a user's turns too).
 Prefix hit rate = sum of `usage.prompt_tokens_details.cached_tokens` / sum of prompt tokens.
@@ -52,7 +57,7 @@ POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
 @dataclass
 class Request:
-    at: float  # seconds after the start (tenants), or -1: after the user's previous turn (multi-turn)
+    at: float  # seconds after the start; multi-turn: not before, nor before the user's previous answer (-1: at it)
     prompt: list[int]
     user: int = -1
     max_tokens: int = 16
@@ -85,14 +90,18 @@ def tenants_workload(args, rng: random.Random) -> list[Request]:
 
 def chat_workload(args, rng: random.Random) -> list[Request]:
     """Each user holds ``--conversations`` conversations one after another (so that the working set,
-    every conversation, outgrows what the users have in flight at once)."""
+    every conversation, outgrows what the users have in flight at once); its turns at its own Poisson
+    times, ``--chat-rate`` over all users (their own generator: the prompts do not depend on it)."""
+    clock = random.Random(f"{args.seed}/chat-times")
     out = []
     for user in range(args.users):
+        at = 0.0
         for _ in range(args.conversations):
             context = ids(rng, args.system_tokens // 4)
             for _ in range(args.turns):
                 context = context + ids(rng, rng.randint(20, 60))
-                out.append(Request(-1, context, user, args.output_tokens))
+                at = at + clock.expovariate(args.chat_rate / args.users) if args.chat_rate > 0 else -1
+                out.append(Request(at, context, user, args.output_tokens))
                 context = context + ids(rng, args.answer_tokens)
     return out
 
@@ -133,7 +142,8 @@ async def one(client: httpx.AsyncClient, url: str, model: str, r: Request) -> Re
 
 
 async def drive(urls: list[str], model: str, requests: list[Request]) -> tuple[list[Result], float]:
-    """Tenants: each request at its arrival time. Multi-turn: each user's turns one after another.
+    """Tenants: each request at its arrival time. Multi-turn: each user's turns one after another, each
+    at its time or at the previous answer, the later.
     With several routers the requests alternate between them (a user's turns too), so a router
     routes prefixes that the other one's requests put on the workers."""
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=512)) as client:
@@ -144,9 +154,13 @@ async def drive(urls: list[str], model: str, requests: list[Request]) -> tuple[l
             return await one(client, urls[i % len(urls)], model, r)
 
         async def user(turns: list[Request]) -> list[Result]:
-            return [await one(client, urls[(r.user + t) % len(urls)], model, r) for t, r in enumerate(turns)]
+            results = []
+            for t, r in enumerate(turns):
+                await asyncio.sleep(max(0.0, t0 + r.at - time.perf_counter()))
+                results.append(await one(client, urls[(r.user + t) % len(urls)], model, r))
+            return results
 
-        if requests[0].at >= 0:
+        if requests[0].user < 0:
             results = await asyncio.gather(*(at_time(i, r) for i, r in enumerate(requests)))
         else:
             users = sorted({r.user for r in requests})
@@ -283,6 +297,9 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=None, help="tenants workload (default 160; 48 with --quick)")
     p.add_argument("--rate", type=float, default=None, help="tenants: requests/s (default 0.5; 8 with --quick)")
     p.add_argument("--users", type=int, default=8, help="chat: concurrent users (default 8)")
+    p.add_argument("--chat-rate", type=float, default=0.0,
+                   help="chat: turns/s over all users, each user's at its own Poisson times, a turn not before "
+                        "the previous answer (default 0: a closed loop, each turn at the previous answer)")
     p.add_argument("--turns", type=int, default=None, help="default 6; 3 with --quick")
     p.add_argument("--conversations", type=int, default=None, help="per user, one after another (default 4; 3 "
                                                                       "with --quick)")
