@@ -57,7 +57,7 @@ POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
 @dataclass
 class Request:
-    at: float  # seconds after the start; multi-turn: not before, nor before the user's previous answer (-1: at it)
+    at: float  # seconds after the start (multi-turn: or the user's previous answer, the later; -1: at the answer)
     prompt: list[int]
     user: int = -1
     max_tokens: int = 16
