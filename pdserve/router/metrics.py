@@ -87,7 +87,7 @@ class RouterMetrics:
                                     "in rotation)", ["worker"], registry=r)
         self.worker_waiting = Gauge("pdserve_worker_num_waiting", "Waiting requests (worker snapshot; workers "
                                     "in rotation)", ["worker"], registry=r)
-        self.worker_kv_usage = Gauge("pdserve_worker_kv_cache_usage", "KV-cache blocks in use, fraction",
-                                     ["worker"], registry=r)
-        self.worker_tps = Gauge("pdserve_worker_generation_tokens_per_second", "Recent generation rate",
-                                ["worker"], registry=r)
+        self.worker_kv_usage = Gauge("pdserve_worker_kv_cache_usage", "KV-cache blocks in use, fraction (worker "
+                                     "snapshot; workers in rotation)", ["worker"], registry=r)
+        self.worker_tps = Gauge("pdserve_worker_generation_tokens_per_second", "Recent generation rate (worker "
+                                "snapshot; workers in rotation)", ["worker"], registry=r)
