@@ -46,6 +46,8 @@ from pdserve.state.store import (
     KVEventBatch,
     KVEventRecord,
     MemoryStateStore,
+    RouteBatch,
+    RouteRecord,
     StateStoreConfig,
     WorkerRecord,
 )
@@ -272,6 +274,13 @@ class RayStateStore:
 
     async def read_kv_events(self, cursor: str = "", count: int = 1000) -> KVEventBatch:
         return await self._call("read_kv_events", cursor, count, default=KVEventBatch([], cursor))
+
+    async def publish_routes(self, routes: list[RouteRecord]) -> None:
+        if routes:
+            await self._call("publish_routes", routes)
+
+    async def read_routes(self, cursor: str = "", count: int = 1000) -> RouteBatch:
+        return await self._call("read_routes", cursor, count, default=RouteBatch([], cursor))
 
 
 def _finished_requests(metrics) -> float:

@@ -64,6 +64,7 @@ from pdserve.router.protocol import (
     validation_error,
 )
 from pdserve.router.responses import SSE_DONE, Choice, Formatter, cached_prompt_tokens, usage
+from pdserve.router.route_share import RouteShare
 from pdserve.router.tokenization import detokenize, tokenize
 from pdserve.router.worker_client import NoWorkerError, QueueTimeoutError, WorkerLostError, sampling_to_proto
 
@@ -110,6 +111,10 @@ class RouterConfig:
                                       "sent it (the workers' KV events reach the index a heartbeat or more later); "
                                       "without a state store, the only prefix knowledge, kept until newer routes "
                                       "push it out; 0: off")
+    share_routes: bool = doc(True, "cache_aware with a state store: publish this router's routes through the "
+                                   "store and count the other routers' as its own for recent_routes_s (as "
+                                   "Dynamo's router replica sync), so routers behind one load balancer send a "
+                                   "shared prefix to one worker")
     policy_temperature: float = doc(0.0, "cache_aware: 0 picks the least cost (ties at random); above 0, a softmax "
                                          "over -cost / temperature spreads requests over near-equal workers")
     max_concurrent_requests: int = doc(512, "admission limit: past this many sequences in flight (each request's "
@@ -216,15 +221,22 @@ class Router:
         recent_s = config.recent_routes_s if discovery is not None else math.inf
         if config.policy != "cache_aware" or config.recent_routes_s <= 0:
             recent_s = None
+        # This router's routes, to and from the other routers through the store (router/route_share.py)
+        self.route_share = (RouteShare(discovery.store, {}, self.metrics)
+                            if discovery is not None and recent_s is not None and config.share_routes else None)
         self.models: list[_Model] = []
         for served in models:
-            workers = ModelWorkers(pool, served.name if len(models) > 1 else "")
+            key = served.name if len(models) > 1 else ""
+            workers = ModelWorkers(pool, key)
             decode_policy, prefill_policy = POLICIES[config.policy](config.cost_model())
             dispatcher = Dispatcher(workers, decode_policy, prefill_policy, disaggregation,
                                     self.metrics, waker=(wakers or {}).get(served.name),
                                     wait_for_worker_s=config.startup_wait_s,
                                     stream_idle_timeout_s=config.stream_idle_timeout_s, index=self.prefix_index,
-                                    cost_model=config.cost_model(), recent_routes_s=recent_s)
+                                    cost_model=config.cost_model(), recent_routes_s=recent_s,
+                                    on_route=partial(self.route_share.note, key) if self.route_share else None)
+            if self.route_share is not None:
+                self.route_share.recents[key] = dispatcher.recent
             self.models.append(_Model(served, workers, dispatcher, served.name or config.served_model_name))
         self.cascades = dict(cascades or {})  # virtual models: router/cascade.py
         for name, cascade in self.cascades.items():
@@ -276,11 +288,15 @@ class Router:
                 await self.discovery.start()
             if self.index_feed is not None:
                 await self.index_feed.start()
+            if self.route_share is not None:
+                await self.route_share.start()
             # Everything alive now lives as long as the router: keep it out of the collector's
             # full passes, which otherwise pause the event loop for tens of ms (seen as TTFT p99).
             gc.collect()
             gc.freeze()
             yield
+            if self.route_share is not None:
+                await self.route_share.close()
             if self.index_feed is not None:
                 await self.index_feed.close()
             if self.discovery is not None:

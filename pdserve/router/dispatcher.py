@@ -49,8 +49,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -84,6 +84,7 @@ class _Route:
     req: RouteRequest
     keys: list[int]  # the prompt's prefix-index keys (empty: not hashed)
     predicted_cached: int = 0
+    picked: dict[str, str] = field(default_factory=dict)  # pool -> the worker last chosen in it
 
 
 class Dispatcher:
@@ -91,13 +92,15 @@ class Dispatcher:
                  disaggregation: DisaggregationConfig, metrics: RouterMetrics, max_migrations: int = 3,
                  waker=None, wait_for_worker_s: float = 0.0, stream_idle_timeout_s: float = 60.0,
                  index: PrefixIndex | None = None, cost_model: CostModel = CostModel(),
-                 recent_routes_s: float | None = None):
+                 recent_routes_s: float | None = None,
+                 on_route: Callable[[str, Sequence[int], str], None] | None = None):
         self.pool = pool
         self.index = index  # the global prefix index (empty where no worker's KV events reach it)
         # Where this router sent recent prompts, ahead of the index's events; per pool, as a remote
         # prefill's blocks end up on both its prefill and its decode worker
         self.recent = None if recent_routes_s is None else {role: RecentRoutes(recent_routes_s)
                                                             for role in ("decode", "prefill")}
+        self.on_route = on_route  # (pool, keys, worker id) of each route remembered: shared with other routers
         self.cost_model = cost_model
         self.wait_for_worker_s = wait_for_worker_s  # a request finding no decode worker waits this long for one
         self.stream_idle_timeout_s = stream_idle_timeout_s  # a stream silent this long is lost: migrate
@@ -119,6 +122,8 @@ class Dispatcher:
             try:
                 async for msg in stream:
                     if not generated and msg.token_ids:  # the first leg's first message: its prefix hit
+                        for role, worker_id in route.picked.items():  # stored now; the events follow
+                            self._remember(role, route.keys, worker_id)
                         self.metrics.cached_tokens.labels("predicted").inc(route.predicted_cached)
                         self.metrics.cached_tokens.labels("actual").inc(msg.num_cached_tokens)
                     generated.extend(msg.token_ids)
@@ -270,9 +275,18 @@ class Dispatcher:
         if chosen is None:
             raise NoWorkerError(f"no {role} worker is available" if not tried else f"every {role} worker failed")
         tried.add(chosen)
-        if self.recent is not None and route.keys:  # its blocks will be there
-            self.recent[role].add(route.keys, chosen, time.monotonic())
+        route.picked[role] = chosen
+        self._remember(role, route.keys, chosen)  # its blocks will be there
         return self.pool.by_id(chosen)
+
+    def _remember(self, role: str, keys: list[int], worker_id: str) -> None:
+        """The prompt's blocks are (or will be) on ``worker_id``: count them held there for
+        recent_routes_s from now, here and, through ``on_route``, at the other routers."""
+        if self.recent is None or not keys:
+            return
+        self.recent[role].add(keys, worker_id, time.monotonic())
+        if self.on_route is not None:
+            self.on_route(role, keys, worker_id)
 
     # ---- disaggregated ----------------------------------------------------------------------
 

@@ -82,6 +82,9 @@ class RouterMetrics:
         self.prefix_index_resyncs = Counter("pdserve_router_prefix_index_resyncs", "Workers' entries rebuilt from "
                                             "their block lists, by reason (joined, gap, store) and result (ok, "
                                             "failed)", ["reason", "result"], registry=r)
+        self.shared_routes = Counter("pdserve_router_shared_routes", "Routes shared with the other routers through "
+                                     "the state store (router.share_routes), by direction: sent, received",
+                                     ["direction"], registry=r)
         self.workers_healthy = Gauge("pdserve_router_workers_healthy", "Workers in rotation", registry=r)
         self.worker_running = Gauge("pdserve_worker_num_running", "Running requests (worker snapshot; workers "
                                     "in rotation)", ["worker"], registry=r)

@@ -7,6 +7,8 @@ Keys (``ns`` is ``StateStoreConfig.namespace``)::
     ns:workers       the set of ids ever registered; an id whose record key is gone has expired
                      and is removed from the set by the next reader
     ns:kv_events     a stream of KV events, trimmed to about max_events entries
+    ns:routes        a stream of the routers' recent routes, trimmed the same way; a reader
+                     starts at its newest entry
 
 While Redis cannot be reached, calls do not raise: one warning per outage, ``workers()``
 answers the last list it read, writes are dropped. Workers write their whole record on every
@@ -29,7 +31,15 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pdserve.state.store import KVEventBatch, KVEventRecord, StateStoreConfig, WorkerRecord, reraise_cancellation
+from pdserve.state.store import (
+    KVEventBatch,
+    KVEventRecord,
+    RouteBatch,
+    RouteRecord,
+    StateStoreConfig,
+    WorkerRecord,
+    reraise_cancellation,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -156,6 +166,37 @@ class RedisStateStore:
         events = [KVEventRecord(f["worker"], f["kind"], tuple(h for h in f["hashes"].split(",") if h),
                                 f.get("epoch", ""), int(f.get("seq", 0))) for _, f in entries]
         return KVEventBatch(events, entries[-1][0] if entries else cursor, resync)
+
+    # ---- routes -----------------------------------------------------------------------------
+
+    async def publish_routes(self, routes: list[RouteRecord]) -> None:
+        if not routes:
+            return
+
+        async def op():
+            async with self.client.pipeline(transaction=False) as p:
+                for r in routes:
+                    p.xadd(self._key("routes"), {"router": r.router_id, "model": r.model, "role": r.role,
+                                                 "worker": r.worker_id, "keys": ",".join(f"{k:x}" for k in r.keys)},
+                           maxlen=self.config.max_events, approximate=True)
+                await p.execute()
+
+        await self._call("publish_routes", op, None)
+
+    async def read_routes(self, cursor: str = "", count: int = 1000) -> RouteBatch:
+        async def op():
+            key = self._key("routes")
+            if not cursor:  # a new reader starts from now
+                newest = await self.client.xrevrange(key, count=1)
+                return [], newest[0][0] if newest else "0-0"
+            got = await self.client.xread({key: cursor}, count=count)
+            entries = got[0][1] if got else []
+            return entries, entries[-1][0] if entries else cursor
+
+        entries, after = await self._call("read_routes", op, ([], cursor))
+        routes = [RouteRecord(f["router"], f.get("model", ""), f["role"], f["worker"],
+                              tuple(int(k, 16) for k in f["keys"].split(",") if k)) for _, f in entries]
+        return RouteBatch(routes, after)
 
 
 def _id_after(a: str, b: str) -> bool:

@@ -1,4 +1,5 @@
-"""The state routers share: which workers are alive, their load, and the KV events of the prefix index.
+"""The state routers share: which workers are alive, their load, the KV events of the prefix index,
+and the routers' own recent routes.
 
 Every worker announces itself with a ``WorkerRecord`` (role, model, fingerprint, gRPC address,
 load snapshot) and repeats it every ``heartbeat_s``; a record not repeated within ``ttl_s`` has
@@ -11,12 +12,18 @@ from a cursor. Two backends, chosen by name (``make_state_store``), imported onl
 A store that cannot reach its server does not raise: it logs one warning per outage and
 answers with the last state it knew (``workers``), drops writes (a worker's next heartbeat
 registers it again), and logs when the server is back.
+
+Routes (``RouteRecord``) are what one router tells the others: "I sent a prompt with these
+prefix-index keys to this worker", so a prompt routed by one router counts as held there for all
+of them until the worker's own KV events say so (router/route_share.py). They are short-lived
+hints, not state: a reader starts at the newest one, and one lost in an outage is not missed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import logging
 import time
 from collections import deque
@@ -87,6 +94,23 @@ class KVEventBatch:
     resync: bool = False  # events were lost since the cursor (trimmed, or the server restarted): rebuild
 
 
+@dataclass(frozen=True)
+class RouteRecord:
+    """One router's route of one prompt: its prefix-index keys were sent to ``worker_id``."""
+
+    router_id: str
+    model: str  # the served model's name ("" with one model)
+    role: str  # "prefill" | "decode": the pool the worker is in
+    worker_id: str
+    keys: tuple[int, ...]  # prefix_index.prompt_keys of the prompt, in order
+
+
+@dataclass(frozen=True)
+class RouteBatch:
+    routes: list[RouteRecord]
+    cursor: str  # pass back to read the routes after these
+
+
 class StateStore(Protocol):
     """The calls every backend answers; all of them survive the server going away."""
 
@@ -107,6 +131,12 @@ class StateStore(Protocol):
     async def read_kv_events(self, cursor: str = "", count: int = 1000) -> KVEventBatch:
         """Events after ``cursor`` ("" = from the oldest kept), at most ``count``."""
 
+    async def publish_routes(self, routes: list[RouteRecord]) -> None: ...
+
+    async def read_routes(self, cursor: str = "", count: int = 1000) -> RouteBatch:
+        """Routes after ``cursor`` ("" = none yet: the cursor of the newest, so a reader starts from
+        now), at most ``count``. Routes lost in an outage or trimmed are skipped, not signalled."""
+
 
 class MemoryStateStore:
     """The in-process store: a dict of records with their expiry, a bounded deque of events."""
@@ -117,6 +147,8 @@ class MemoryStateStore:
         self._records: dict[str, tuple[WorkerRecord, float]] = {}  # id -> (record, expires at)
         self._events: deque[tuple[int, KVEventRecord]] = deque(maxlen=config.max_events)
         self._next_event = 1
+        self._routes: deque[tuple[int, RouteRecord]] = deque(maxlen=config.max_events)
+        self._next_route = 1
 
     async def start(self) -> None:
         pass
@@ -149,6 +181,20 @@ class MemoryStateStore:
             after, resync = 0, True
         picked = [(i, e) for i, e in self._events if i > after][:count]
         return KVEventBatch([e for _, e in picked], str(picked[-1][0] if picked else max(after, oldest - 1)), resync)
+
+
+    async def publish_routes(self, routes: list[RouteRecord]) -> None:
+        for route in routes:
+            self._routes.append((self._next_route, route))
+            self._next_route += 1
+
+    async def read_routes(self, cursor: str = "", count: int = 1000) -> RouteBatch:
+        if not cursor or int(cursor) >= self._next_route:  # a new reader, or a cursor from before a restart
+            return RouteBatch([], str(self._next_route - 1))
+        after = int(cursor)
+        first = max(0, after + 1 - self._routes[0][0]) if self._routes else 0  # ids are consecutive
+        picked = list(itertools.islice(self._routes, first, first + count))
+        return RouteBatch([r for _, r in picked], str(picked[-1][0] if picked else self._next_route - 1))
 
 
 STATE_STORES: dict[str, str | Callable[[StateStoreConfig], StateStore]] = {

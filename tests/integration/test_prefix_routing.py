@@ -2,7 +2,8 @@
 their KV events to a real Redis, two routers reading it. A conversation's second turn goes to the
 worker holding its first turn's blocks, through either router; once that worker is gone (stopped,
 a fresh one started in its place), no router predicts hits on it any more. Without a state store
-(no events reach the router), the router's own recent routes send second turns home."""
+(no events reach the router), the router's own recent routes send second turns home; with routers
+sharing Redis and no events at all, one router's routes send the other's second turns home."""
 
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ FIRST_TURN = 200  # tokens: 12 full blocks cached after the first turn
 CONVERSATIONS = 4
 
 
-def worker(url: str):
+def worker(url: str = ""):
+    """A decode worker publishing to the Redis at ``url`` ("": publishing nowhere)."""
+    store = ["--redis", url, "--heartbeat-s", "0.2", "--ttl-s", "3"] if url else []
     return start_worker("decode", ["--host", "127.0.0.1", "--port", "0", "--model", MODEL, "--num-threads", "1",
-                                   "--no-load-progress", "--num-kv-blocks", "512", "--redis", url,
-                                   "--heartbeat-s", "0.2", "--ttl-s", "3", "--grace-s", "5"])
+                                   "--no-load-progress", "--num-kv-blocks", "512", *store, "--grace-s", "5"])
 
 
 def metric(url: str, name: str, label: str = "") -> float:
@@ -137,6 +139,43 @@ def test_second_turns_follow_the_cached_blocks_through_both_routers_and_not_past
         for proc, _ in routers:
             proc.wait(30)
         stop_workers(workers + stopped, grace_s=10)
+
+
+def test_routers_sharing_redis_send_second_turns_home_on_each_others_routes_alone(redis):
+    """The workers publish nowhere (given to the routers by address), so neither router's index
+    ever learns a block: what the router that did not route a first turn knows of it is the
+    route the other router shared through Redis (router.share_routes)."""
+    rng = random.Random(16)
+    firsts = [[rng.randrange(1000, 40000) for _ in range(FIRST_TURN)] for _ in range(CONVERSATIONS)]
+    hit = FIRST_TURN // BLOCK * BLOCK
+    workers = [worker() for _ in range(2)]
+    routers = []
+    try:
+        wait_ready(workers, timeout_s=120)
+        # Routes held far longer than the test: on a loaded machine each turn may wait many seconds
+        flags = ("--redis", redis.url(), "--recent-routes-s", "3600")
+        routers = [start_router([w.address for w in workers], MODEL, *flags) for _ in range(2)]
+        urls = [url for _, url in routers]
+        model = httpx.get(urls[0] + "/v1/models", timeout=5).json()["data"][0]["id"]
+        for first in firsts:  # through router 0 only
+            filler = [rng.randrange(1000, 40000) for _ in range(20)]
+            asyncio.run(first_turn_beside_a_long_request(urls[0], model, first, filler))
+        sent = metric(urls[0], "pdserve_router_shared_routes_total", 'direction="sent"')
+        assert sent >= 2 * CONVERSATIONS  # each first turn: at its route, and again at its first token
+        wait_for(lambda: metric(urls[1], "pdserve_router_shared_routes_total", 'direction="received"') >= sent,
+                 30, "router 1 has read router 0's routes")
+        for first in firsts:  # through router 1 only
+            second = first + [rng.randrange(1000, 40000) for _ in range(40)]
+            assert cached_tokens(urls[1], model, second) >= hit
+        assert metric(urls[1], "pdserve_router_cached_tokens_total", 'source="predicted"') >= CONVERSATIONS * hit
+        for url in urls:
+            assert metric(url, "pdserve_router_prefix_index_blocks") == 0  # no events: not the index
+    finally:
+        for proc, _ in routers:
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in routers:
+            proc.wait(30)
+        stop_workers(workers, grace_s=10)
 
 
 def prefix_hits(w) -> int:

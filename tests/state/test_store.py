@@ -17,6 +17,7 @@ from pdserve.state.store import (
     STATE_STORES,
     KVEventRecord,
     MemoryStateStore,
+    RouteRecord,
     StateStoreConfig,
     WorkerRecord,
     make_state_store,
@@ -107,6 +108,25 @@ def test_the_event_stream_is_bounded_and_a_reader_left_behind_resyncs(store_conf
         assert len(late.events) <= 200  # Redis trims approximately (whole nodes of ~100 entries)
 
     run(store_config(max_events=10), body)
+
+
+def test_routes_are_read_from_when_the_reader_started_and_then_from_its_cursor(store_config):
+    def route(i: int) -> RouteRecord:
+        return RouteRecord("r1", "", "decode" if i % 2 else "prefill", f"w{i}", (i + 1, 2**63 + i, 2**64 - 1))
+
+    async def body(store):
+        await store.publish_routes([route(0)])  # before the reader: a hint already past, not read
+        start = await store.read_routes()
+        assert start.routes == []
+        await store.publish_routes([route(i) for i in range(1, 4)])
+        first = await store.read_routes(start.cursor, count=2)
+        assert first.routes == [route(1), route(2)]  # keys round-trip whole (64-bit)
+        second = await store.read_routes(first.cursor)
+        assert second.routes == [route(3)]
+        assert (await store.read_routes(second.cursor)).routes == []
+        assert (await store.read_routes()).routes == []  # another new reader: from now
+
+    run(store_config(), body)
 
 
 def test_a_cursor_from_before_the_memory_store_restarted_resyncs():
