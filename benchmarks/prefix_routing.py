@@ -4,9 +4,10 @@
     python benchmarks/prefix_routing.py --quick         # the tiny random model, small workloads (a minute or two)
     python benchmarks/prefix_routing.py --decision-only # the decision's time with 64 workers
 
-Each run: a fresh cluster of 1 prefill + 4 decode workers publishing KV events to a real Redis,
-one router reading it (`--policy` each of cache_aware, least_loaded, round_robin), every worker
-with `--num-kv-blocks` set so that the workload's working set does not fit one worker. Workloads
+Each run: a fresh cluster of 1 prefill + 4 decode workers (`--prefill`, `--decode`) publishing KV
+events to a real Redis, one router reading it (`--policy` each of cache_aware, least_loaded,
+round_robin), every worker with `--num-kv-blocks` set so that the workload's working set does not
+fit one worker. Workloads
 (prompts as token ids, sent to /v1/completions, streamed):
   (a) tenants: `--tenants` system prompts of `--system-tokens` tokens, each request one of them
       plus a short question, Poisson arrivals at `--rate`;
@@ -177,7 +178,7 @@ def run_policy(args, policy: str, requests: list[Request], kv_blocks: int, oracl
     redis.start()
     common = ["--host", "127.0.0.1", "--port", "0", "--model", args.model, "--num-threads", "1",
               "--no-load-progress", "--redis", redis.url(), "--heartbeat-s", "0.2"]
-    roles = ["decode"] if oracle else ["prefill"] + ["decode"] * args.decode
+    roles = ["decode"] if oracle else ["prefill"] * args.prefill + ["decode"] * args.decode
     blocks = 4 * kv_blocks * args.decode if oracle else kv_blocks
     workers = [start_worker(role, [*common, "--num-kv-blocks", str(blocks)]) for role in roles]
     started: list = []
@@ -289,7 +290,10 @@ def main() -> None:
                    help=f"routing policies compared, comma-separated (default {','.join(POLICIES)})")
     p.add_argument("--workloads", default="tenants,chat", help="tenants and/or chat, comma-separated (default both)")
     p.add_argument("--decode", type=int, default=4,
-                   help="decode workers behind the router (default 4; 1 prefill worker)")
+                   help="decode workers behind the router (default 4)")
+    p.add_argument("--prefill", type=int, default=1,
+                   help="prefill workers behind the router (default 1; 0: every prompt prefilled on its decode "
+                        "worker, so the decode choice decides every hit)")
     p.add_argument("--tenants", type=int, default=16,
                    help="tenants workload: tenants, each with its own system prompt (default 16)")
     p.add_argument("--system-tokens", type=int, default=1000,
