@@ -305,6 +305,7 @@ class Dispatcher:
         first = await self._prefill(request, reservation, decode, route) if where == "remote" else None
         uncached = 0
         if first is None:
+            route.picked.pop("prefill", None)  # every prefill worker failed: the blocks are the decode worker's
             resume.prefill_here = True
             route.predicted_cached = reservation.cached_tokens
             uncached = len(request.prompt_token_ids) - reservation.cached_tokens

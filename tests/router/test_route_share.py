@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.recent_routes import RecentRoutes
 from pdserve.router.route_share import RouteShare
 from pdserve.state.store import MemoryStateStore, StateStoreConfig
+from tests.router.conftest import MODEL, ScriptedCall, in_rotation, run
 
 
 def recents() -> dict[str, RecentRoutes]:
@@ -67,3 +69,22 @@ def test_a_router_shares_on_its_own_while_it_runs():
             await b.close()
 
     asyncio.run(main())
+
+
+def test_a_route_is_remembered_when_picked_and_again_at_its_first_token(make_client):
+    """At its first token the prompt's blocks are stored and its KV events a heartbeat away: the
+    route is noted again (and shared), so a request that queued past recent_routes_s is not forgotten."""
+    decode = in_rotation("decode")
+    decode.info.block_size, decode.info.model_fingerprint = 16, "fp"
+
+    class _Worker:
+        def Generate(self, request):
+            return ScriptedCall([pb.GenerateResponse(token_ids=[7], text="x", finished=True, finish_reason="length")])
+
+    decode.stub = _Worker()
+    client = make_client([decode])
+    noted = []
+    client.router.models[0].dispatcher.on_route = lambda role, keys, worker: noted.append((role, len(keys), worker))
+    r = run(client.post("/v1/completions", json={"model": MODEL, "prompt": list(range(40)), "max_tokens": 1}))
+    assert r.status_code == 200, r.text
+    assert noted == [("decode", 2, "decode-0")] * 2  # 40 tokens: two full blocks of 16
