@@ -75,6 +75,14 @@ def start_router(addresses: list[str], model: str, *flags: str, ready: bool = Tr
     raise TimeoutError("router did not become ready")
 
 
+def stop_routers(routers: list[tuple[subprocess.Popen, str]]) -> None:
+    """SIGTERM to every router of ``start_router``, then wait for each (they drain at once)."""
+    for proc, _ in routers:
+        proc.send_signal(signal.SIGTERM)
+    for proc, _ in routers:
+        proc.wait(30)
+
+
 def start_cluster(model: str, decode: int, engine_flags: list[str], router_flags: list[str] = (), prefill: int = 0,
                   prefill_flags: list[str] = (), decode_flags: list[str] = ()) -> Cluster:
     """Workers (one thread each when they share the machine) and a router in front of them."""

@@ -18,7 +18,7 @@ import pytest
 from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
-from tests.integration.conftest import start_cluster, start_router, stop_cluster
+from tests.integration.conftest import start_cluster, start_router, stop_cluster, stop_routers
 from tests.integration.test_shared_state import listed, wait_for
 from tests.redis_server import RedisServer, redis_binary
 
@@ -134,10 +134,7 @@ def test_second_turns_follow_the_cached_blocks_through_both_routers_and_not_past
         assert cached_tokens(urls[0], model, seconds[0]) == 0
         assert metric(urls[0], "pdserve_router_cached_tokens_total", 'source="predicted"') == predicted
     finally:
-        for proc, _ in routers:
-            proc.send_signal(signal.SIGTERM)
-        for proc, _ in routers:
-            proc.wait(30)
+        stop_routers(routers)
         stop_workers(workers + stopped, grace_s=10)
 
 
@@ -171,10 +168,7 @@ def test_routers_sharing_redis_send_second_turns_home_on_each_others_routes_alon
         for url in urls:
             assert metric(url, "pdserve_router_prefix_index_blocks") == 0  # no events: not the index
     finally:
-        for proc, _ in routers:
-            proc.send_signal(signal.SIGTERM)
-        for proc, _ in routers:
-            proc.wait(30)
+        stop_routers(routers)
         stop_workers(workers, grace_s=10)
 
 

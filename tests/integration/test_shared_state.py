@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready
 from pdserve.state.store import StateStoreConfig, make_state_store
-from tests.integration.conftest import start_router
+from tests.integration.conftest import start_router, stop_routers
 from tests.integration.test_serve_cli import start_serve
 from tests.redis_server import RedisServer, redis_binary
 
@@ -116,10 +116,7 @@ def test_two_routers_share_the_workers_in_redis(redis, tmp_path):
             assert listed(url) == addresses
             assert complete(url, model) == 200
     finally:
-        for proc, _ in routers:
-            proc.send_signal(signal.SIGTERM)
-        for proc, _ in routers:
-            proc.wait(30)
+        stop_routers(routers)
         stop_workers(workers, grace_s=10)
 
 
