@@ -26,7 +26,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import WorkerHandle, WorkerPool
 from pdserve.router.prefix_index import PrefixIndex, keys_of_packed
 from pdserve.router.worker_client import kv_snapshot
-from pdserve.state.store import stop_tasks
+from pdserve.state.store import follow_forever, stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class PrefixIndexFeed:
         self.pool.listeners.append(self.on_rotation)
         for w in self.pool.healthy():
             self.resync(w.worker_id, "joined")
-        self._task = asyncio.create_task(self._read_forever(), name="prefix-index-feed")
+        rounds = follow_forever(self.read_once, self.interval_s, self.batch, "reading KV events")
+        self._task = asyncio.create_task(rounds, name="prefix-index-feed")
 
     async def close(self) -> None:
         if self.on_rotation in self.pool.listeners:
@@ -71,16 +72,6 @@ class PrefixIndexFeed:
         self.metrics.prefix_index_blocks.set(self.index.num_blocks)
 
     # ---- events ---------------------------------------------------------------------------------
-
-    async def _read_forever(self) -> None:
-        while True:
-            try:
-                n = await self.read_once()
-            except Exception:  # keep following whatever one round did
-                log.exception("reading KV events failed")
-                n = 0
-            if n < self.batch:
-                await asyncio.sleep(self.interval_s)
 
     async def read_once(self) -> int:
         """Apply the events after the cursor (at most ``batch``); how many there were."""

@@ -20,7 +20,6 @@ it costs a cache miss, never a wrong answer. A router reads from when it started
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from collections import deque
@@ -28,9 +27,7 @@ from collections.abc import Sequence
 
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.recent_routes import RecentRoutes
-from pdserve.state.store import RouteRecord, stop_tasks
-
-log = logging.getLogger(__name__)
+from pdserve.state.store import RouteRecord, follow_forever, stop_tasks
 
 
 class RouteShare:
@@ -52,20 +49,11 @@ class RouteShare:
 
     async def start(self) -> None:
         self.cursor = (await self.store.read_routes("")).cursor
-        self._task = asyncio.create_task(self._exchange_forever(), name="route-share")
+        rounds = follow_forever(self.exchange_once, self.interval_s, self.batch, "sharing routes")
+        self._task = asyncio.create_task(rounds, name="route-share")
 
     async def close(self) -> None:
         await stop_tasks([self._task], "route share")
-
-    async def _exchange_forever(self) -> None:
-        while True:
-            try:
-                n = await self.exchange_once()
-            except Exception:  # keep sharing whatever one round did
-                log.exception("sharing routes failed")
-                n = 0
-            if n < self.batch:
-                await asyncio.sleep(self.interval_s)
 
     async def exchange_once(self) -> int:
         """Publish the routes noted since the last round; apply the other routers' routes since the

@@ -27,7 +27,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -227,6 +227,20 @@ async def stop_tasks(tasks, what: str, timeout_s: float = 5.0) -> None:
     if pending:
         log.warning("%s: %d task(s) did not stop within %.0f s of being cancelled; left behind: %s", what,
                     len(pending), timeout_s, ", ".join(t.get_name() for t in pending))
+
+
+async def follow_forever(read_once: Callable[[], Awaitable[int]], interval_s: float, batch: int, what: str) -> None:
+    """A stream's reader: ``read_once()`` (how many entries it took, at most ``batch``) again at once
+    while it takes full batches, else after ``interval_s``; a round that raises is logged and the
+    next one follows."""
+    while True:
+        try:
+            n = await read_once()
+        except Exception:  # keep following whatever one round did
+            log.exception("%s failed", what)
+            n = 0
+        if n < batch:
+            await asyncio.sleep(interval_s)
 
 
 def register_state_store(name: str, factory: str | Callable[[StateStoreConfig], StateStore]) -> None:
