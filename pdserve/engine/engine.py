@@ -21,7 +21,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_isa import select_isa
-from pdserve.engine.cpu_kernels import keep_freed_memory
+from pdserve.engine.cpu_kernels import HeapBound, keep_freed_memory
 from pdserve.engine.kv_cache_manager import HybridKVCacheManager, KVCacheManager, kv_groups
 from pdserve.engine.loader import LoadedModel, load_model
 from pdserve.engine.model_runner import ModelRunner
@@ -116,7 +116,8 @@ class LLMEngine:
             log.info("%s", self.cpu_plan.describe())
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        keep_freed_memory()
+        # The heap keeps freed blocks for the next step's activations, up to a bound (HeapBound).
+        self.heap = HeapBound.create() if keep_freed_memory() else None
         dtype = _DTYPES[config.dtype]
         self.loaded = loaded or load_model(
             config.model, dtype=dtype, device=config.device, max_positions=config.max_model_len, seed=config.seed,
@@ -331,6 +332,8 @@ class LLMEngine:
         outputs = self._process(self.scheduler.update(sched, model_out))
         if self.step_observer is not None:
             self.step_observer(sched, time.perf_counter() - began)
+        if self.heap is not None:
+            self.heap.check(time.monotonic())
         return timed_out + outputs
 
     def prefill_rate(self) -> float:

@@ -32,6 +32,8 @@ from pdserve.engine.sampler import Sampler, token_logprobs
 from pdserve.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
 from pdserve.engine.spec_decode import rejection_sample
 
+PROMPT_LOGPROBS_SLICE_BYTES = 32 << 20
+
 
 class _RowView:
     """A request as the sampler sees it at one verification row: the proposals before the row
@@ -71,6 +73,8 @@ class ModelRunner:
         kv_groups: KVGroups | None = None,
     ):
         cfg = model.config
+        # Prompt logprobs: rows of logits per slice, about PROMPT_LOGPROBS_SLICE_BYTES (float32), a multiple of 16
+        self._prompt_logprobs_rows = max(16, PROMPT_LOGPROBS_SLICE_BYTES // (4 * cfg.vocab_size) // 16 * 16)
         # One group unless given: every layer its own slot, one block table.
         self.groups = kv_groups or KVGroups.one(cfg.num_layers)
         self.model = model
@@ -167,9 +171,16 @@ class ModelRunner:
         count = min(item.num_tokens, len(prompt) - 1 - item.start)
         if count <= 0:
             return
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[row : row + count]).float().cpu(), dim=-1)
         k = request.sampling_params.prompt_logprobs
-        values = [token_logprobs(logprobs[j], prompt[item.start + j + 1], k) for j in range(count)]
+        values = []
+        # In slices of a fixed size: a chunk's logits at once (rows up to the token budget x the
+        # vocabulary, 384 MiB for 2,048 rows of a 49,152-token vocabulary) made every new prompt
+        # length a new, larger block that the heap kept (engine/cpu_kernels.py HeapBound).
+        step = self._prompt_logprobs_rows
+        for a in range(0, count, step):
+            b = min(count, a + step)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[row + a : row + b]).float().cpu(), dim=-1)
+            values += [token_logprobs(logprobs[j - a], prompt[item.start + j + 1], k) for j in range(a, b)]
         out.prompt_logprobs[request.request_id] = (item.start + 1, values)
 
     def _verify(self, item: ScheduledRequest, logits: torch.Tensor, views, tokens: list[int]) -> list[int]:

@@ -45,3 +45,19 @@ def test_prompt_logprobs_equal_transformers_chunked_and_cached(make_engine, tiny
     for other in (chunked, cached):
         assert [x.sampled.token_id for x in other[1:]] == [x.sampled.token_id for x in whole[1:]]
         assert max(abs(a.sampled.logprob - b.sampled.logprob) for a, b in zip(other[1:], whole[1:])) < 1e-4
+
+
+def test_prompt_logprobs_in_slices_equal_all_rows_at_once(make_engine, tiny_model):
+    """The runner computes a chunk's prompt logprobs a slice of rows at a time (bounded memory)."""
+    prompt = [100 + (7 * i) % 5000 for i in range(70)]
+    whole_engine = make_engine()
+    whole_engine.runner._prompt_logprobs_rows = 4096
+    whole = _prompt_logprobs(whole_engine, prompt)
+    sliced_engine = make_engine()
+    sliced_engine.runner._prompt_logprobs_rows = 16
+    sliced = _prompt_logprobs(sliced_engine, prompt)
+    assert len(sliced) == len(whole) == len(prompt)
+    for a, b in zip(sliced[1:], whole[1:]):
+        assert a.sampled.token_id == b.sampled.token_id and a.sampled.rank == b.sampled.rank
+        assert abs(a.sampled.logprob - b.sampled.logprob) < 1e-5
+        assert [t.token_id for t in a.top] == [t.token_id for t in b.top]

@@ -1,0 +1,63 @@
+"""The heap's freed memory is bounded: ``HeapBound`` gives it back past its limit, and prompt
+logprobs no longer leave a larger block behind for every new prompt length."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from pdserve.engine import SamplingParams
+from pdserve.engine.cpu_kernels import HeapBound, _resident_bytes, keep_freed_memory
+
+pytestmark = pytest.mark.skipif(HeapBound.create() is None, reason="glibc's mallinfo2 and malloc_trim only")
+
+
+def _heap_bytes() -> int:
+    bound = HeapBound.create()
+    return bound._libc.mallinfo2().arena
+
+
+def test_freed_blocks_past_the_limit_go_back_to_the_os_and_the_check_waits_its_interval():
+    assert keep_freed_memory()  # as the engine runs: nothing is trimmed or unmapped on free
+    bound = HeapBound.create(limit=16 << 20, every_s=60.0)
+    blocks, pins = [], []
+    for i in range(8):  # 4..11 MiB each, touched; a small pin after each keeps the heap from shrinking
+        blocks.append(torch.ones(((4 + i) << 20) // 4))
+        pins.append(ctypes.create_string_buffer(64))
+    resident = _resident_bytes()
+    del blocks
+    assert bound.free_bytes() > 16 << 20
+    assert _resident_bytes() > resident - (16 << 20)  # freed, still resident
+    assert bound.check(now=100.0) and bound.trims == 1
+    assert _resident_bytes() < resident - (40 << 20)  # of about 60 MiB freed
+    assert not bound.check(now=130.0)  # within every_s of the last look
+    assert bound.check(now=160.0) or bound.free_bytes() <= bound.limit
+
+
+def test_the_engine_checks_its_heap_after_steps(make_engine):
+    engine = make_engine()
+    assert engine.heap is not None
+    engine.heap = HeapBound.create(limit=0, every_s=0.0)  # any free byte is over the limit
+    engine.add_request("a", list(range(100, 140)), SamplingParams(temperature=0, max_tokens=3))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.heap.trims >= 3
+
+
+def test_prompt_logprobs_of_growing_prompts_do_not_grow_the_heap_by_their_sum(make_engine):
+    """Each prompt's logits were one block of its rows x the vocabulary; the heap kept each (a
+    little larger than the last, so never reused): 64..640-token prompts grew it by 0.7 GB."""
+    engine = make_engine(num_kv_blocks=128, max_num_batched_tokens=1024)
+    engine.heap = None  # the slicing alone
+    engine.add_request("warm", list(range(100, 164)), SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    while engine.has_unfinished():
+        engine.step()
+    start = _heap_bytes()
+    for i, n in enumerate(range(64, 704, 64)):
+        engine.add_request(str(i), [100 + (j * 7 + i) % 30000 for j in range(n)],
+                           SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+        while engine.has_unfinished():
+            engine.step()
+    assert _heap_bytes() - start < 256 << 20
