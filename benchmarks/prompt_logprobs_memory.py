@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pdserve.configs import from_dict  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.cpu_isa import describe_cpu  # noqa: E402
-from pdserve.engine.cpu_kernels import HeapBound, _resident_bytes  # noqa: E402
+from pdserve.engine.cpu_kernels import HeapBound, resident_bytes  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.runner._prompt_logprobs_rows, engine.heap = 1 << 30, None
 
     def row(label: str) -> None:
-        info = bound._libc.mallinfo2()
-        print(f"| {label} | {_resident_bytes() >> 20} | {info.arena >> 20} | {info.uordblks >> 20} |", flush=True)
+        info = bound.info()
+        print(f"| {label} | {resident_bytes() >> 20} | {info.arena >> 20} | {info.uordblks >> 20} |", flush=True)
 
     print(f"{args.model}; {'whole chunks, no heap bound (before)' if args.whole_chunks else 'as the engine runs'}")
     print("| prompt tokens | resident MiB | heap MiB | heap in use MiB |")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         while engine.has_unfinished():
             engine.step()
         row(str(n))
-        if _resident_bytes() >> 20 > args.stop_mib:
+        if resident_bytes() >> 20 > args.stop_mib:
             print(f"stopped: over {args.stop_mib} MiB resident")
             break
     print(describe_cpu())

@@ -249,9 +249,14 @@ class HeapBound:
             return None
         return cls(libc, limit, every_s)
 
+    def info(self) -> _MallInfo2:
+        """glibc's ``mallinfo2`` over all arenas: ``arena`` (the heap's size), ``uordblks`` (in use),
+        ``fordblks`` (free)."""
+        return self._libc.mallinfo2()
+
     def free_bytes(self) -> int:
         """Free bytes in malloc's arenas (resident or already given back)."""
-        return self._libc.mallinfo2().fordblks
+        return self.info().fordblks
 
     def check(self, now: float) -> bool:
         """Trim if it is time to look and the heap holds more than ``limit`` free; whether it trimmed."""
@@ -260,16 +265,16 @@ class HeapBound:
         self._next = now + self.every_s
         if self.free_bytes() <= self.limit:
             return False
-        before = _resident_bytes()
+        before = resident_bytes()
         self._libc.malloc_trim(0)
         self.trims += 1
-        released = before - _resident_bytes()
+        released = before - resident_bytes()
         if released >= 64 << 20:
             log.info("gave %d MiB of freed heap memory back to the OS (over %d MiB free)", released >> 20,
                      self.limit >> 20)
         return True
 
 
-def _resident_bytes() -> int:
+def resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

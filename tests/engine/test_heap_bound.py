@@ -7,14 +7,13 @@ import pytest
 import torch
 
 from pdserve.engine import SamplingParams
-from pdserve.engine.cpu_kernels import HeapBound, _resident_bytes, keep_freed_memory
+from pdserve.engine.cpu_kernels import HeapBound, keep_freed_memory, resident_bytes
 
 pytestmark = pytest.mark.skipif(HeapBound.create() is None, reason="glibc's mallinfo2 and malloc_trim only")
 
 
 def _heap_bytes() -> int:
-    bound = HeapBound.create()
-    return bound._libc.mallinfo2().arena
+    return HeapBound.create().info().arena
 
 
 def test_freed_blocks_past_the_limit_go_back_to_the_os_and_the_check_waits_its_interval():
@@ -24,12 +23,12 @@ def test_freed_blocks_past_the_limit_go_back_to_the_os_and_the_check_waits_its_i
     for i in range(8):  # 4..11 MiB each, touched; a small block after each (kept) holds them mid-heap
         blocks.append(torch.ones(((4 + i) << 20) // 4))
         pins.append(torch.ones(16))
-    resident = _resident_bytes()
+    resident = resident_bytes()
     del blocks
     assert bound.free_bytes() > 16 << 20
-    assert _resident_bytes() > resident - (16 << 20)  # freed, still resident
+    assert resident_bytes() > resident - (16 << 20)  # freed, still resident
     assert bound.check(now=100.0) and bound.trims == 1
-    assert _resident_bytes() < resident - (40 << 20)  # of about 60 MiB freed
+    assert resident_bytes() < resident - (40 << 20)  # of about 60 MiB freed
     assert not bound.check(now=130.0)  # within every_s of the last look
     assert bound.check(now=160.0) or bound.free_bytes() <= bound.limit
 
