@@ -16,6 +16,12 @@ _TEST_THREADS = os.environ.get("PDSERVE_TEST_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", _TEST_THREADS)
 torch.set_num_threads(int(_TEST_THREADS))
 
+# No start-up warm-up of the engines (EngineConfig.warmup) in the tests, in process or in the worker
+# processes they start (inherited): the suite builds many short-lived engines of the default model, each
+# of which would spend seconds building oneDNN kernels for step sizes it never runs. The tests of the
+# warm-up itself ask for it.
+os.environ.setdefault("PDSERVE_WARMUP", "0")
+
 # Without a GPU, Triton kernels run in its CPU interpreter, which must be chosen before any
 # kernel module is imported (tests/engine/test_triton_kernels.py).
 if not torch.cuda.is_available():

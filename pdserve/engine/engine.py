@@ -12,6 +12,7 @@ Callers (the offline ``LLM``, the workers) own the loop: add requests, call ``st
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from pdserve.engine.cpu_isa import select_isa
 from pdserve.engine.cpu_kernels import HeapBound, keep_freed_memory
 from pdserve.engine.kv_cache_manager import HybridKVCacheManager, KVCacheManager, kv_groups
 from pdserve.engine.loader import LoadedModel, load_model
+from pdserve.engine.model import warm_up_projections
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput, RequestStatus
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -59,6 +61,8 @@ class EngineStats:
     decode_step_seqs: float = 0.0  # their mean number of sequences
 
 
+WARMUP_ENV = "PDSERVE_WARMUP"  # EngineConfig.warmup's default when unset: 0 off, else on
+
 # Steps computing at least this many prompt tokens count in the measured prefill rate. A rate in tokens
 # per second holds where compute dominates; a step of a short prompt measures the step's fixed cost
 # (weights streamed once, sampling, the decodes beside it): counted, it made a worker that had seen
@@ -70,6 +74,14 @@ PREFILL_RATE_STEPS = 16  # the rate is over this many such steps, however old (a
 # with a prompt chunk are left out: the routers count a worker's prompt work apart (its queue), and a
 # step time that held a chunk made a worker busy with prompts look many times slower to decode.
 DECODE_STEP_SAMPLES = 16
+
+
+def warmup_wanted(config: EngineConfig) -> bool:
+    """``config.warmup``, or when unset the environment's PDSERVE_WARMUP (0: off; the test suite
+    sets it, its engines being many and short-lived), else on."""
+    if config.warmup is not None:
+        return config.warmup
+    return os.environ.get(WARMUP_ENV, "1") != "0"
 
 
 def mean_decode_step(steps: deque[tuple[int, float]]) -> tuple[float, float]:
@@ -160,6 +172,8 @@ class LLMEngine:
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = (make_proposer(self.spec_config, self.runner, config, cfg.vocab_size)
                          if self.spec_config else None)
+        if config.device == "cpu" and warmup_wanted(config):
+            self._warm_up()
         self._text: dict[str, _TextState] = {}
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0}
         self._prefill_steps: deque[tuple[int, float]] = deque(maxlen=PREFILL_RATE_STEPS)  # (prompt tokens, seconds)
@@ -167,6 +181,19 @@ class LLMEngine:
         # Called after each step that ran with (its SchedulerOutput, the step's seconds, schedule to
         # outputs); `pdserve profile` times steps through it. None: nothing is called.
         self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
+
+    def _warm_up(self) -> None:
+        """oneDNN's kernels for every row bucket of a step, built now (``EngineConfig.warmup``)."""
+        c, start = self.config, time.perf_counter()
+        spec = self.spec_config.num_speculative_tokens if self.spec_config else 0
+        head_rows = min(c.max_num_batched_tokens, c.max_num_seqs * (1 + spec))
+        shapes, calls = warm_up_projections(self.loaded.model, c.max_num_batched_tokens, head_rows, c.load_progress)
+        if self.heap is not None:
+            self.heap.check(time.monotonic())  # the warm-up's activations go back above the bound
+        if calls:
+            log.info("warm-up: %d projection shapes at %d row counts in %.1f s (oneDNN's kernels for every step "
+                     "size up to %d tokens; --no-warmup skips it)", shapes, calls, time.perf_counter() - start,
+                     c.max_num_batched_tokens)
 
     def _linear_path(self, dtype: torch.dtype) -> str:
         plan = self.cpu_plan

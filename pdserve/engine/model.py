@@ -92,6 +92,33 @@ class Linear(nn.Module):
         return out.transpose(0, 1).reshape(rows, n)
 
 
+def warm_up_projections(model: nn.Module, max_rows: int, head_rows: int, progress: bool = False) -> tuple[int, int]:
+    """Run each oneDNN projection shape of ``model`` once at every row bucket a step can bring, so
+    oneDNN builds (and keeps) its kernels before serving rather than under load: a step of a row
+    count not met before paid for building them, and the process grew by about 0.55 MiB per bucket
+    and shape until every bucket was seen (a worker started mid-run grew for the rest of it).
+    ``max_rows``: the step's token budget; ``head_rows``: the most rows the output head computes
+    in a step (the sampled rows; prompt logprobs can bring more). Returns (shapes, calls)."""
+    from tqdm import tqdm
+
+    head = getattr(model, "lm_head", None)
+    plan: dict[tuple, tuple[Linear, int]] = {}
+    for module in model.modules():
+        if isinstance(module, Linear) and module.path == "onednn" and not module.weight.is_cuda:
+            key = (tuple(module.weight.shape), module.weight.dtype)
+            rows = head_rows if module is head else max_rows
+            if key not in plan or plan[key][1] < rows:
+                plan[key] = (module, rows)
+    calls = [(module, rows) for module, most in plan.values()
+             for rows in range(Linear.ROW_BUCKET, most + Linear.ROW_BUCKET, Linear.ROW_BUCKET)
+             if rows > module.few_rows]
+    dtype = next((m.weight.dtype for m in model.modules() if isinstance(m, RMSNorm)), torch.float32)
+    with torch.inference_mode():
+        for module, rows in tqdm(calls, desc="building oneDNN kernels", unit="shape", disable=not progress):
+            module(torch.zeros(rows, module.weight.shape[1], dtype=dtype))
+    return len(plan), len(calls)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()

@@ -1,0 +1,84 @@
+"""The engine's start-up warm-up (EngineConfig.warmup): oneDNN builds its kernel for every row bucket
+of a step before serving, so no step size met under load builds one (nor grows the process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdserve.engine import EngineConfig
+from pdserve.engine.engine import warmup_wanted
+from pdserve.engine.model import Linear, warm_up_projections
+
+# A fresh process (oneDNN's primitive cache is per process) that starts an engine with or without the
+# warm-up, then serves prompts of many lengths; oneDNN reports each kernel it builds (ONEDNN_VERBOSE).
+_PROBE = """
+import json, sys
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+engine = LLMEngine(EngineConfig(model="random:tiny", num_kv_blocks=256, max_num_batched_tokens=256,
+                                max_num_seqs=8, load_progress=False, enable_prefix_caching=False,
+                                warmup=sys.argv[1] == "on"))
+print("SERVING", flush=True)
+for i, n in enumerate((9, 23, 40, 77, 130, 201, 256, 300)):
+    engine.add_request(str(i), list(range(1, n + 1)), SamplingParams(max_tokens=3))
+    while engine.has_unfinished():
+        engine.step()
+print("DONE", json.dumps({"path": engine.loaded.model.layers[0].mlp.gate_up_proj.path}), flush=True)
+"""
+
+
+def _kernels_built_while_serving(warmup: str) -> tuple[int, str]:
+    env = {**os.environ, "ONEDNN_VERBOSE": "all", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _PROBE, warmup], capture_output=True, text=True, env=env,
+                         check=True, timeout=300)
+    lines = out.stdout.splitlines()
+    serving = lines[lines.index("SERVING"):]
+    done = next(line for line in serving if line.startswith("DONE "))
+    built = sum(1 for line in serving if "create:cache_miss" in line and "inner_product" in line)
+    return built, json.loads(done.split(" ", 1)[1])["path"]
+
+
+def test_after_the_warm_up_no_step_builds_a_projection_kernel():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    cold, path = _kernels_built_while_serving("off")
+    if path != "onednn":
+        pytest.skip(f"projections take the {path} path on this processor: no oneDNN kernels")
+    assert cold > 0  # without it, steps of new sizes build kernels while serving
+    warm, _ = _kernels_built_while_serving("on")
+    assert warm == 0
+
+
+def test_the_warm_up_covers_every_bucket_above_the_c_kernels_rows_and_the_head_up_to_its_rows():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    torch.manual_seed(0)
+    body, head = Linear(32, 48), Linear(32, 100)
+    for layer in (body, head):
+        torch.nn.init.normal_(layer.weight)
+        layer.prepare_for_cpu(1, None, "onednn", rows=8)
+    model = torch.nn.Module()
+    model.body, model.twin, model.lm_head = body, Linear(32, 48), head
+    model.twin.weight = body.weight  # one shape: warmed once
+    model.twin.prepare_for_cpu(1, None, "onednn", rows=8)
+    seen = []
+    for layer in (body, model.twin, head):
+        layer.register_forward_hook(lambda mod, args, out: seen.append((mod.weight.shape[0], args[0].shape[0])))
+    assert warm_up_projections(model, max_rows=100, head_rows=40) == (2, 7 + 3)
+    assert sorted(rows for out, rows in seen if out == 48) == [16, 32, 48, 64, 80, 96, 112]
+    assert sorted(rows for out, rows in seen if out == 100) == [16, 32, 48]
+
+
+def test_unset_it_follows_the_environment_and_a_setting_wins(monkeypatch):
+    monkeypatch.delenv("PDSERVE_WARMUP", raising=False)
+    assert warmup_wanted(EngineConfig(model="random:tiny"))
+    monkeypatch.setenv("PDSERVE_WARMUP", "0")
+    assert not warmup_wanted(EngineConfig(model="random:tiny"))
+    assert warmup_wanted(EngineConfig(model="random:tiny", warmup=True))
+    monkeypatch.setenv("PDSERVE_WARMUP", "1")
+    assert not warmup_wanted(EngineConfig(model="random:tiny", warmup=False))
