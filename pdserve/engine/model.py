@@ -114,7 +114,7 @@ def warm_up_projections(model: nn.Module, max_rows: int, head_rows: int, progres
              if rows > module.few_rows]
     dtype = next((m.weight.dtype for m in model.modules() if isinstance(m, RMSNorm)), torch.float32)
     with torch.inference_mode():
-        for module, rows in tqdm(calls, desc="building oneDNN kernels", unit="shape", disable=not progress):
+        for module, rows in tqdm(calls, desc="building oneDNN kernels", unit="kernel", disable=not progress):
             module(torch.zeros(rows, module.weight.shape[1], dtype=dtype))
     return len(plan), len(calls)
 

@@ -24,15 +24,17 @@ engine = LLMEngine(EngineConfig(model="random:tiny", num_kv_blocks=256, max_num_
                                 max_num_seqs=8, load_progress=False, enable_prefix_caching=False,
                                 warmup=sys.argv[1] == "on"))
 print("SERVING", flush=True)
+tokens = {}
 for i, n in enumerate((9, 23, 40, 77, 130, 201, 256, 300)):
-    engine.add_request(str(i), list(range(1, n + 1)), SamplingParams(max_tokens=3))
+    engine.add_request(str(i), list(range(1, n + 1)), SamplingParams(max_tokens=3, temperature=0))
     while engine.has_unfinished():
-        engine.step()
-print("DONE", json.dumps({"path": engine.loaded.model.layers[0].mlp.gate_up_proj.path}), flush=True)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+print("DONE", json.dumps({"path": engine.loaded.model.layers[0].mlp.gate_up_proj.path, "tokens": tokens}), flush=True)
 """
 
 
-def _kernels_built_while_serving(warmup: str) -> tuple[int, str]:
+def _kernels_built_while_serving(warmup: str) -> tuple[int, dict]:
     env = {**os.environ, "ONEDNN_VERBOSE": "all", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", _PROBE, warmup], capture_output=True, text=True, env=env,
                          check=True, timeout=300)
@@ -40,18 +42,19 @@ def _kernels_built_while_serving(warmup: str) -> tuple[int, str]:
     serving = lines[lines.index("SERVING"):]
     done = next(line for line in serving if line.startswith("DONE "))
     built = sum(1 for line in serving if "create:cache_miss" in line and "inner_product" in line)
-    return built, json.loads(done.split(" ", 1)[1])["path"]
+    return built, json.loads(done.split(" ", 1)[1])
 
 
-def test_after_the_warm_up_no_step_builds_a_projection_kernel():
+def test_after_the_warm_up_no_step_builds_a_projection_kernel_and_the_tokens_are_the_same():
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch without oneDNN")
-    cold, path = _kernels_built_while_serving("off")
-    if path != "onednn":
-        pytest.skip(f"projections take the {path} path on this processor: no oneDNN kernels")
+    cold, without = _kernels_built_while_serving("off")
+    if without["path"] != "onednn":
+        pytest.skip(f"projections take the {without['path']} path on this processor: no oneDNN kernels")
     assert cold > 0  # without it, steps of new sizes build kernels while serving
-    warm, _ = _kernels_built_while_serving("on")
+    warm, with_it = _kernels_built_while_serving("on")
     assert warm == 0
+    assert with_it["tokens"] == without["tokens"] and len(with_it["tokens"]) == 8
 
 
 def test_the_warm_up_covers_every_bucket_above_the_c_kernels_rows_and_the_head_up_to_its_rows():
