@@ -183,11 +183,19 @@ class LLMEngine:
         self.step_observer: Callable[[SchedulerOutput, float], None] | None = None
 
     def _warm_up(self) -> None:
-        """oneDNN's kernels for every row bucket of a step, built now (``EngineConfig.warmup``)."""
+        """oneDNN's kernels for every row bucket of a step, built now (``EngineConfig.warmup``): the
+        model's, and a draft model's (speculative decoding) up to the same budget, its head up to one
+        row per sequence (it proposes one token per sequence at a time)."""
         c, start = self.config, time.perf_counter()
         spec = self.spec_config.num_speculative_tokens if self.spec_config else 0
-        head_rows = min(c.max_num_batched_tokens, c.max_num_seqs * (1 + spec))
-        shapes, calls = warm_up_projections(self.loaded.model, c.max_num_batched_tokens, head_rows, c.load_progress)
+        models = [(self.loaded.model, min(c.max_num_batched_tokens, c.max_num_seqs * (1 + spec)))]
+        draft = getattr(self.proposer, "runner", None)
+        if draft is not None:
+            models.append((draft.model, min(c.max_num_batched_tokens, c.max_num_seqs)))
+        shapes = calls = 0
+        for model, head_rows in models:
+            s, n = warm_up_projections(model, c.max_num_batched_tokens, head_rows, c.load_progress)
+            shapes, calls = shapes + s, calls + n
         if self.heap is not None:
             self.heap.check(time.monotonic())  # the warm-up's activations go back above the bound
         if calls:

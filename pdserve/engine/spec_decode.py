@@ -32,6 +32,7 @@ same vocabulary; its KV lives in its own cache tensor, addressed by the target's
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 
 import numpy as np
 import torch
@@ -105,6 +106,7 @@ class DraftProposer:
         self.runner = ModelRunner(model, target_runner.kv_cache.shape[2], target_runner.block_size,
                                   engine_config.seed, engine_config.attention_backend)
         self._computed: dict[str, tuple[int, int]] = {}  # request id -> (draft KV positions, preemptions then)
+        self.max_rows = engine_config.max_num_batched_tokens  # rows of one draft pass (the step's budget)
         self.generator = torch.Generator().manual_seed(engine_config.seed + 7)
 
     def before_schedule(self, running: list[Request]) -> None:
@@ -124,28 +126,42 @@ class DraftProposer:
         items = [item for item in sched.scheduled if item.num_spec]
         if not items:
             return
-        # Catch up: every position before the request's last known token, in one pass.
+        # Catch up: every position before the request's last known token, in passes of at most the
+        # step's token budget (the shapes the warm-up built kernels for; a long prompt takes several).
         drafts: dict[str, list[int]] = {}
         probs: dict[str, list[torch.Tensor]] = {}
-        catch_up = SchedulerOutput()
+        pieces: dict[str, deque[ScheduledRequest]] = {}
         for item in items:
             request = item.request
             done, preemptions = self._computed.get(request.request_id, (0, request.num_preemptions))
             if preemptions != request.num_preemptions:
                 done = 0
             target = request.num_tokens  # positions [done, target) computed, the last one sampled from
-            catch_up.scheduled.append(ScheduledRequest(request, done, target - done, item.block_ids, True))
+            pieces[request.request_id] = deque(
+                ScheduledRequest(request, start, min(self.max_rows, target - start), item.block_ids, True)
+                for start in range(done, target, self.max_rows))
             self._computed[request.request_id] = (target, request.num_preemptions)
             drafts[request.request_id], probs[request.request_id] = [], []
+        last: dict[str, torch.Tensor] = {}  # each request's logits at its last known token
+        while pieces:  # a pass: each request's next piece while they fit (a request's pieces in order)
+            catch_up, rows = SchedulerOutput(), 0
+            for request_id, queue in list(pieces.items()):
+                if rows and rows + queue[0].num_tokens > self.max_rows:
+                    continue
+                catch_up.scheduled.append(queue.popleft())
+                rows += catch_up.scheduled[-1].num_tokens
+                if not queue:
+                    del pieces[request_id]
+            logits = self.runner.logits(catch_up)
+            for row, s in enumerate(catch_up.scheduled):
+                if s.start + s.num_tokens == s.request.num_tokens:
+                    last[s.request.request_id] = logits[row]
         by_request = {id(item.request): item for item in items}
-        steps = max(item.num_spec for item in items)
-        current = catch_up
-        for _ in range(steps):
-            logits = self.runner.logits(current)
+        current = [(item.request, last[item.request.request_id]) for item in items]
+        for _ in range(max(item.num_spec for item in items)):
             nxt = SchedulerOutput()
-            for row, s in enumerate(current.scheduled):
-                request = s.request
-                token, q = self._propose_one(logits[row], request)
+            for request, row_logits in current:
+                token, q = self._propose_one(row_logits, request)
                 drafts[request.request_id].append(token)
                 probs[request.request_id].append(q)
                 item = by_request[id(request)]
@@ -155,7 +171,8 @@ class DraftProposer:
                                                           spec_token_ids=drafts[request.request_id][:]))
             if not nxt.scheduled:
                 break
-            current = nxt
+            logits = self.runner.logits(nxt)
+            current = [(s.request, logits[row]) for row, s in enumerate(nxt.scheduled)]
         for item in items:
             item.spec_token_ids = drafts[item.request.request_id][: item.num_spec]
             q = probs[item.request.request_id][: item.num_spec]

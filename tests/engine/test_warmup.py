@@ -20,9 +20,10 @@ from pdserve.engine.model import Linear, warm_up_projections
 _PROBE = """
 import json, sys
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+draft = {"method": "draft", "model": "random:" + sys.argv[2], "num_speculative_tokens": 2} if sys.argv[2:] else None
 engine = LLMEngine(EngineConfig(model="random:tiny", num_kv_blocks=256, max_num_batched_tokens=256,
                                 max_num_seqs=8, load_progress=False, enable_prefix_caching=False,
-                                warmup=sys.argv[1] == "on"))
+                                warmup=sys.argv[1] == "on", speculative_config=draft))
 print("SERVING", flush=True)
 tokens = {}
 for i, n in enumerate((9, 23, 40, 77, 130, 201, 256, 300)):
@@ -34,9 +35,9 @@ print("DONE", json.dumps({"path": engine.loaded.model.layers[0].mlp.gate_up_proj
 """
 
 
-def _kernels_built_while_serving(warmup: str) -> tuple[int, dict]:
+def _kernels_built_while_serving(warmup: str, *draft: str) -> tuple[int, dict]:
     env = {**os.environ, "ONEDNN_VERBOSE": "all", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", _PROBE, warmup], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", _PROBE, warmup, *draft], capture_output=True, text=True, env=env,
                          check=True, timeout=300)
     lines = out.stdout.splitlines()
     serving = lines[lines.index("SERVING"):]
@@ -55,6 +56,25 @@ def test_after_the_warm_up_no_step_builds_a_projection_kernel_and_the_tokens_are
     warm, with_it = _kernels_built_while_serving("on")
     assert warm == 0
     assert with_it["tokens"] == without["tokens"] and len(with_it["tokens"]) == 8
+
+
+def test_a_draft_model_of_other_shapes_is_warmed_up_too_and_catches_up_within_the_budget(tmp_path):
+    """Speculative decoding by a draft model: its projections (other shapes than the target's) are
+    warmed up as well, and its catch-up over a 300-token prompt runs in passes of at most the 256-token
+    budget, so no pass brings a row count the warm-up did not build (one pass of 301 rows did)."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    shape = tmp_path / "draft.json"  # the tiny preset's vocabulary, other widths
+    shape.write_text(json.dumps({"vocab_size": 49152, "hidden_size": 96, "intermediate_size": 160,
+                                 "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    cold, without = _kernels_built_while_serving("off", str(shape))
+    if without["path"] != "onednn":
+        pytest.skip(f"projections take the {without['path']} path on this processor: no oneDNN kernels")
+    assert cold > 0
+    warm, with_it = _kernels_built_while_serving("on", str(shape))
+    assert warm == 0
+    _, plain = _kernels_built_while_serving("off")  # greedy: the draft changes no token
+    assert with_it["tokens"] == without["tokens"] == plain["tokens"] and len(with_it["tokens"]) == 8
 
 
 def test_the_warm_up_covers_every_bucket_above_the_c_kernels_rows_and_the_head_up_to_its_rows():
