@@ -192,6 +192,7 @@ def run_policy(args, policy: str, requests: list[Request], kv_blocks: int, oracl
         model = httpx.get(urls[0] + "/v1/models", timeout=5).json()["data"][0]["id"]
         results, duration = asyncio.run(drive(urls, model, requests))
         metrics = [httpx.get(url + "/metrics", timeout=5).text for url in urls]
+        per_worker = [worker_stats(w.address) for w in workers]
     finally:
         for router, _ in started:
             router.send_signal(signal.SIGTERM)
@@ -199,7 +200,21 @@ def run_policy(args, policy: str, requests: list[Request], kv_blocks: int, oracl
         stop_workers(workers, grace_s=10)
         redis.stop()
     name = "oracle" if oracle else policy if routers == 1 else f"{policy} x{routers}"
-    return summarize(name, results, duration, metrics)
+    return {**summarize(name, results, duration, metrics), "workers": per_worker}
+
+
+def worker_stats(address: str) -> dict:
+    """What a worker did over the run (its own Stats): where the prompt compute and the KV pressure went."""
+    import grpc
+
+    from pdserve.proto.v1 import worker_pb2 as pb
+    from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        s = pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=10)
+    return {"role": s.role, "prompt_tokens": s.prompt_tokens_total, "prefix_hits": s.prefix_cache_hits,
+            "prefix_queries": s.prefix_cache_queries, "generation_tokens": s.generation_tokens_total,
+            "preemptions": s.num_preemptions}
 
 
 def healthy(url: str) -> list:
@@ -248,9 +263,21 @@ def summarize(policy: str, results: list[Result], duration: float, metrics: list
         "actual_cached": sum(metric(m, "pdserve_router_cached_tokens_total", 'source="actual"') for m in metrics),
         "remote_prefills": sum(metric(m, "pdserve_router_prefill_decisions_total", 'outcome="remote"')
                                for m in metrics),
+        "decisions": decisions(metrics),
         "decision_p99_s": max((q for m in metrics if (q := decision_quantile(m, 0.99)) is not None), default=None),
         "ttfts": ttfts,
     }
+
+
+def decisions(metrics: list[str]) -> dict[str, float]:
+    """Where prompts were prefilled, by the router's outcome label, summed over its routers."""
+    out: dict[str, float] = {}
+    for text in metrics:
+        for line in text.splitlines():
+            if line.startswith("pdserve_router_prefill_decisions_total{"):
+                outcome = line.split('outcome="')[1].split('"')[0]
+                out[outcome] = out.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -316,6 +343,8 @@ def main() -> None:
                    help="N > 1 adds a row: cache_aware with N routers sharing one Redis, requests alternating "
                         "between them (its hit rate against one router's; default 1, no such row)")
     p.add_argument("--router-flags", default="", help="more flags for every router, e.g. '--cost-interference 1'")
+    p.add_argument("--no-oracle", action="store_true",
+                   help="leave out the oracle row (one worker with room for everything): a shorter run")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times (default 0)")
     p.add_argument("--result-dir", default="docs/bench/prefix_routing",
                    help="where prefix_routing.json and .png go (default docs/bench/prefix_routing)")
@@ -344,7 +373,8 @@ def main() -> None:
         rows = [run_policy(args, policy, requests, kv_blocks) for policy in args.policies.split(",")]
         if args.routers > 1:
             rows.append(run_policy(args, "cache_aware", requests, kv_blocks, routers=args.routers))
-        rows.append(run_policy(args, "least_loaded", requests, kv_blocks, oracle=True))
+        if not args.no_oracle:
+            rows.append(run_policy(args, "least_loaded", requests, kv_blocks, oracle=True))
         report["workloads"][name] = {"kv_blocks_per_worker": kv_blocks, "rows": rows}
         print_table(name, kv_blocks, rows)
     (out / "prefix_routing.json").write_text(json.dumps(report, indent=1))
@@ -353,7 +383,7 @@ def main() -> None:
 
 
 def print_table(name: str, kv_blocks: int, rows: list[dict]) -> None:
-    oracle = rows[-1]["hit_rate"]
+    oracle = rows[-1]["hit_rate"] if rows[-1]["policy"] == "oracle" else float("nan")
     print(f"\nworkload {name}: {kv_blocks} KV blocks per worker")
     print(f"{'policy':<15} {'ok/all':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'req/s':>6} {'out tok/s':>9} "
           f"{'hit rate':>8} {'of oracle':>9} {'remote':>6} {'decide p99':>10}")
@@ -363,6 +393,11 @@ def print_table(name: str, kv_blocks: int, rows: list[dict]) -> None:
         print(f"{r['policy']:<15} {r['requests'] - r['failed']:>4}/{r['requests']:<3} {ttft:>19} "
               f"{r['requests_per_s']:>6.2f} {r['output_tokens_per_s']:>9.1f} {r['hit_rate']:>8.1%} "
               f"{r['hit_rate'] / max(oracle, 1e-9):>9.1%} {r['remote_prefills']:>6.0f} {p99:>10}")
+    for r in rows:  # where the compute and the KV pressure went
+        where = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r.get("decisions", {}).items()))
+        work = "; ".join(f"{w['role']} {w['prompt_tokens'] - w['prefix_hits']} not cached, {w['preemptions']} preempted"
+                         for w in r.get("workers", []))
+        print(f"  {r['policy']}: prefill decisions: {where or '-'}; prompt tokens per worker: {work}")
 
 
 def plot(report: dict, path: Path) -> None:
@@ -380,7 +415,9 @@ def plot(report: dict, path: Path) -> None:
             xs = r["ttfts"]
             ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))],
                     label=f"{r['policy']} (hit {r['hit_rate']:.0%})")
-        ax.set_title(f"{name}: TTFT CDF (oracle hit {report['workloads'][name]['rows'][-1]['hit_rate']:.0%})")
+        last = report["workloads"][name]["rows"][-1]
+        oracle = f" (oracle hit {last['hit_rate']:.0%})" if last["policy"] == "oracle" else ""
+        ax.set_title(f"{name}: TTFT CDF{oracle}")
         ax.set_xlabel("TTFT (s)")
         ax.set_xscale("log")
         ax.legend()
