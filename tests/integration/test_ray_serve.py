@@ -3,7 +3,9 @@
 - each pool lands on the resource its YAML names; a replica killed by the test is replaced by
   Serve, registers itself, and the router routes to it without a restart;
 - a bounded load step with small windows: the decode pool scales up, then back down when the load
-  stops; the prefill pool does not move; every request of the run completes.
+  stops; the prefill pool does not move; every request of the run completes;
+- two router replicas under cache-aware routing both index the workers' KV events (through the
+  StateStore deployment) and send a conversation's second turn where its first turn's blocks are.
 """
 
 from __future__ import annotations
@@ -270,3 +272,55 @@ def test_a_pool_at_zero_wakes_for_a_request_and_goes_back_to_zero(ray_url):
         complete(ray_url, "and again", 8, timeout=120)
     finally:
         serve.delete(APP)
+
+
+def test_two_router_replicas_send_a_second_turn_to_the_worker_holding_the_first(ray_url):
+    """Cache-aware routing on Ray (issue 14, both launchers): the decode workers publish their KV
+    events through the StateStore deployment, and each of two router replicas indexes them (and the
+    other's routes); a conversation's second turn, through whichever replica Serve's proxy picks,
+    lands where its first turn's blocks are and reuses them."""
+    import random
+
+    from tests.integration.test_prefix_routing import BLOCK, FIRST_TURN, metric
+
+    cluster = merged(pools={"prefill": {"replicas": 0}, "decode": {"replicas": 2, "num_cpus": 1, "grace_s": 5}},
+                     router={**BASE["router"], "policy": "cache_aware"}, ray={**BASE["ray"], "router_replicas": 2})
+    deploy(cluster)
+    try:
+        wait_for(lambda: len(ready_workers(ray_url)) == 2 and running("Router") == 2, 60,
+                 "two decode workers in rotation behind two router replicas")
+        rng = random.Random(17)
+        firsts = [[rng.randrange(1000, 40000) for _ in range(FIRST_TURN)] for _ in range(4)]
+        for first in firsts:
+            complete_ids(ray_url, first)
+        blocks = len(firsts) * (FIRST_TURN // BLOCK)
+        # Each read of /metrics reaches one replica: eight reads in a row, every one with the blocks, are
+        # both replicas' indexes (all eight reaching the same one: 1 in 128).
+        wait_for(lambda: all(metric(ray_url, "pdserve_router_prefix_index_blocks") >= blocks for _ in range(8)),
+                 60, "the first turns' KV events in both router replicas' indexes")
+        hit = FIRST_TURN // BLOCK * BLOCK
+        for first in firsts:
+            second = first + [rng.randrange(1000, 40000) for _ in range(40)]
+            for _ in range(3):  # through whichever replica the proxy picks, each time
+                wait_for(lambda: idle_in_a_row(ray_url), 60, "both router replicas' snapshots show idle workers")
+                assert complete_ids(ray_url, second)["usage"]["prompt_tokens_details"]["cached_tokens"] >= hit
+    finally:
+        serve.delete(APP)
+
+
+def complete_ids(url: str, prompt: list[int]) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"model": "random:tiny", "prompt": prompt, "max_tokens": 4,
+                                                  "temperature": 0}, timeout=60 * PATIENCE)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def idle_in_a_row(url: str, reads: int = 8) -> bool:
+    """``reads`` reads of /metrics in a row show no request on any worker. Each read reaches one router
+    replica, so both have reported idle snapshots (all eight reaching one replica: 1 in 128). With the
+    tiny model a prefix hit saves less than a stale snapshot of a busy worker costs it, so without
+    this the choice would hang on when each replica last polled (tests/integration/test_prefix_routing.py)."""
+    from tests.integration.test_prefix_routing import metric
+
+    return not any(metric(url, "pdserve_worker_num_running") + metric(url, "pdserve_worker_num_waiting")
+                   for _ in range(reads))
