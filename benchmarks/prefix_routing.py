@@ -393,7 +393,7 @@ def print_table(name: str, kv_blocks: int, rows: list[dict]) -> None:
         print(f"{r['policy']:<15} {r['requests'] - r['failed']:>4}/{r['requests']:<3} {ttft:>19} "
               f"{r['requests_per_s']:>6.2f} {r['output_tokens_per_s']:>9.1f} {r['hit_rate']:>8.1%} "
               f"{r['hit_rate'] / max(oracle, 1e-9):>9.1%} {r['remote_prefills']:>6.0f} {p99:>10}")
-    for r in rows:  # where the compute and the KV pressure went
+    for r in (r for r in rows if r.get("workers")):  # where the compute and the KV pressure went
         where = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r.get("decisions", {}).items()))
         work = "; ".join(f"{w['role']} {w['prompt_tokens'] - w['prefix_hits']} not cached, {w['preemptions']} preempted"
                          for w in r.get("workers", []))
