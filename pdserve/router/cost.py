@@ -123,28 +123,45 @@ def decode_s(w: WorkerLoad, m: CostModel) -> float:
 
 def decode_cost(w: WorkerLoad, req: RouteRequest, m: CostModel) -> float:
     """Predicted seconds of sending the request to decode worker ``w``: ``decode_s`` + the cheaper of
-    ``local_prefill_s`` and ``via_remote_s`` + ``shortfall_s``, written out in one body (a policy evaluates it for every
-    worker of the pool on each request; tests/router/test_cost.py checks it against those terms)."""
-    b = w.num_running + w.num_waiting
-    if w.inflight > b:
-        b = w.inflight
-    step = m.decode_step_s + m.decode_step_s_per_seq * b
-    if w.decode_step_s > 0:
-        more = b - w.decode_step_seqs
-        measured = w.decode_step_s + m.decode_step_s_per_seq * (more if more > 0 else 0)
-        step = max(step, measured)
-    u = req.prompt_tokens - req.cached.get(w.worker_id, 0)
-    u = u if u > 0 else 0
-    r = w.prefill_tokens_per_s if w.prefill_tokens_per_s > 0 else m.prefill_tokens_per_s
-    t = u / r
-    queued = w.waiting_prompt_tokens if w.waiting_prompt_tokens > w.inflight_tokens else w.inflight_tokens
-    prefill = queued / r + t + m.interference * t * (b + 1)
-    if req.remote_s is not None:
-        prefill = min(prefill, req.remote_s + m.transfer_s_per_token * u + m.remote_overhead_s)
-    need = u + m.decode_horizon_tokens
-    if 0 <= w.free_kv_tokens < need:
-        prefill += (need - w.free_kv_tokens) / r
-    return m.decode_horizon_tokens * (step + m.decode_step_s_per_seq * (b + 1)) + prefill
+    ``local_prefill_s`` and ``via_remote_s`` + ``shortfall_s`` (``decode_costs`` of one worker)."""
+    return decode_costs((w,), req, m)[0]
+
+
+def decode_costs(workers: Iterable[WorkerLoad], req: RouteRequest, m: CostModel) -> list[float]:
+    """``decode_cost`` of each worker, written out in one loop body with the model's coefficients read
+    once (a policy evaluates it for every worker of the pool on each request: with 64 workers the
+    decision's p99 is the target; tests/router/test_cost.py checks it against the terms)."""
+    base, per_seq, horizon = m.decode_step_s, m.decode_step_s_per_seq, m.decode_horizon_tokens
+    default_rate, interference = m.prefill_tokens_per_s, m.interference
+    remote, overhead = req.remote_s, m.remote_overhead_s
+    per_token, prompt, cached = m.transfer_s_per_token, req.prompt_tokens, req.cached
+    out = []
+    for w in workers:
+        b = w.num_running + w.num_waiting
+        if w.inflight > b:
+            b = w.inflight
+        step = base + per_seq * b
+        if w.decode_step_s > 0:
+            more = b - w.decode_step_seqs
+            measured = w.decode_step_s + per_seq * (more if more > 0 else 0)
+            if measured > step:
+                step = measured
+        u = prompt - cached.get(w.worker_id, 0) if cached else prompt
+        u = u if u > 0 else 0
+        r = w.prefill_tokens_per_s if w.prefill_tokens_per_s > 0 else default_rate
+        t = u / r
+        queued = w.waiting_prompt_tokens if w.waiting_prompt_tokens > w.inflight_tokens else w.inflight_tokens
+        prefill = queued / r + t + interference * t * (b + 1)
+        if remote is not None:
+            via = remote + per_token * u + overhead  # as via_remote_s adds them
+            if via < prefill:
+                prefill = via
+        need = u + horizon
+        free = w.free_kv_tokens
+        if 0 <= free < need:
+            prefill += (need - free) / r
+        out.append(horizon * (step + per_seq * (b + 1)) + prefill)
+    return out
 
 
 def cheapest_remote_s(prefills: Sequence[WorkerLoad], req: RouteRequest, m: CostModel) -> float | None:

@@ -145,13 +145,18 @@ def cache_aware_factory(model: CostModel, rng: random.Random | None = None, role
     from pdserve.router import cost  # cost.py imports WorkerLoad from here
 
     rng = rng or random.Random()
-    of = cost.decode_cost if role == "decode" else cost.remote_prefill_s
+
+    def costs(workers: Sequence[WorkerLoad], req: RouteRequest) -> list[float]:
+        if role == "decode":
+            return cost.decode_costs(workers, req, model)
+        return [cost.remote_prefill_s(w, req, model) for w in workers]
 
     def pick(workers: Sequence[WorkerLoad], request: RouteRequest | None = None) -> str | None:
         req = request or cost.RouteRequest(0)
+        seconds = costs(workers, req)
         if model.temperature > 0:
-            return cost.choose({w.worker_id: of(w, req, model) for w in workers}, model.temperature, rng)
-        return cost.least(((w.worker_id, of(w, req, model)) for w in workers), rng)
+            return cost.choose({w.worker_id: c for w, c in zip(workers, seconds)}, model.temperature, rng)
+        return cost.least(zip((w.worker_id for w in workers), seconds), rng)
 
     return pick
 
