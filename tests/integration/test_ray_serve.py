@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import tempfile
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import free_port
+from tests.integration.test_prefix_routing import BLOCK, FIRST_TURN, metric
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -104,7 +106,7 @@ def alive(deployment: str) -> int:
     return sum(n for state, n in status.replica_states.items() if state not in ("STOPPING", "STOPPED"))
 
 
-def complete(url: str, prompt: str, max_tokens: int = 8, timeout: float = 60) -> dict:
+def complete(url: str, prompt: str | list[int], max_tokens: int = 8, timeout: float = 60) -> dict:
     r = httpx.post(url + "/v1/completions", json={"model": "random:tiny", "prompt": prompt, "max_tokens": max_tokens,
                                                   "ignore_eos": True}, timeout=timeout * PATIENCE)
     assert r.status_code == 200, r.text
@@ -279,10 +281,6 @@ def test_two_router_replicas_send_a_second_turn_to_the_worker_holding_the_first(
     events through the StateStore deployment, and each of two router replicas indexes them (and the
     other's routes); a conversation's second turn, through whichever replica Serve's proxy picks,
     lands where its first turn's blocks are and reuses them."""
-    import random
-
-    from tests.integration.test_prefix_routing import BLOCK, FIRST_TURN, metric
-
     cluster = merged(pools={"prefill": {"replicas": 0}, "decode": {"replicas": 2, "num_cpus": 1, "grace_s": 5}},
                      router={**BASE["router"], "policy": "cache_aware"}, ray={**BASE["ray"], "router_replicas": 2})
     deploy(cluster)
@@ -292,7 +290,7 @@ def test_two_router_replicas_send_a_second_turn_to_the_worker_holding_the_first(
         rng = random.Random(17)
         firsts = [[rng.randrange(1000, 40000) for _ in range(FIRST_TURN)] for _ in range(4)]
         for first in firsts:
-            complete_ids(ray_url, first)
+            complete(ray_url, first, 4)
         blocks = len(firsts) * (FIRST_TURN // BLOCK)
         # Each read of /metrics reaches one replica: eight reads in a row, every one with the blocks, are
         # both replicas' indexes (all eight reaching the same one: 1 in 128).
@@ -303,16 +301,9 @@ def test_two_router_replicas_send_a_second_turn_to_the_worker_holding_the_first(
             second = first + [rng.randrange(1000, 40000) for _ in range(40)]
             for _ in range(3):  # through whichever replica the proxy picks, each time
                 wait_for(lambda: idle_in_a_row(ray_url), 60, "both router replicas' snapshots show idle workers")
-                assert complete_ids(ray_url, second)["usage"]["prompt_tokens_details"]["cached_tokens"] >= hit
+                assert complete(ray_url, second, 4)["usage"]["prompt_tokens_details"]["cached_tokens"] >= hit
     finally:
         serve.delete(APP)
-
-
-def complete_ids(url: str, prompt: list[int]) -> dict:
-    r = httpx.post(url + "/v1/completions", json={"model": "random:tiny", "prompt": prompt, "max_tokens": 4,
-                                                  "temperature": 0}, timeout=60 * PATIENCE)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def idle_in_a_row(url: str, reads: int = 8) -> bool:
@@ -320,7 +311,5 @@ def idle_in_a_row(url: str, reads: int = 8) -> bool:
     replica, so both have reported idle snapshots (all eight reaching one replica: 1 in 128). With the
     tiny model a prefix hit saves less than a stale snapshot of a busy worker costs it, so without
     this the choice would hang on when each replica last polled (tests/integration/test_prefix_routing.py)."""
-    from tests.integration.test_prefix_routing import metric
-
     return not any(metric(url, "pdserve_worker_num_running") + metric(url, "pdserve_worker_num_waiting")
                    for _ in range(reads))
