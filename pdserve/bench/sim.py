@@ -29,12 +29,14 @@ Load snapshots (``WorkerLoad``) are read as the router reads them: the router's 
 exactly, the worker's numbers as of its last poll (``poll_interval_s``). Time is simulated: nothing
 here reads a clock, and a seed fixes every draw, so a run is reproducible.
 
-Speed (``fast_decode``): a decode worker's step in which every running request decodes one token and
-nothing else can happen (nothing to admit, a free block for each request starting one, none stopping
-but at its length) skips ``Scheduler.schedule``/``update`` and their per-step objects: it makes the
+Speed (``fast_decode``): a decode worker's step in which every running request decodes one token (a
+free block for each request starting one, none stopping but at its length) skips
+``Scheduler.schedule``/``update`` and their per-step objects for its running requests: it makes the
 same ``KVCacheManager.allocate_slots`` calls the scheduler would (only where a block starts or fills:
 elsewhere that call changes nothing), the same token appends, and ends requests at their length with
-``finish_requests``. Such steps in a row are one event, a *run* (``_Replica.begin_run``): from its
+``finish_requests``; what waits is then admitted by the scheduler's own code with the budget left
+(``Scheduler.admit``), as ``schedule`` admits after its running requests. Such steps with nothing to
+admit in a row are one event, a *run* (``_Replica.begin_run``): from its
 start, the steps until a request reaches its length, their times known in advance (the batch and its
 context are). Whatever reads the replica in between (a poll of its load, the autoscaler's signals)
 first brings it to that moment (``advance``: the steps ended by then, the one under way begun, with
@@ -330,8 +332,9 @@ class _Replica:
                           decode_s, decode_seqs)
 
     def begin_step(self, profile: Profile, batch: list[Request] | None):
-        """Schedule a step: (its output, its seconds), or None with nothing to run. ``batch``: the requests
-        of a decode-only step (``decode_only``), each decoding a token; None: the scheduler's step."""
+        """Schedule a step: (its output, its seconds), or None with nothing to run. ``batch``: the running
+        requests of a step whose running part is decode-only (``decode_only``), each decoding a token,
+        and the scheduler admitting what waits after them; None: the scheduler's step."""
         if batch is not None:
             return self._begin_decode(batch, profile)
         out = self.scheduler.schedule()
@@ -340,25 +343,35 @@ class _Replica:
         if out.empty:
             return None
         seconds = profile.step_s(features_of(out.scheduled))
+        self._account(out.scheduled, len(out.scheduled), seconds)
+        return out, seconds
+
+    def _account(self, scheduled, size: int, seconds: float) -> None:
+        """A step begun: its prompt tokens (of ``scheduled``: the others decode) or its ``size`` decoding
+        sequences into the rates the engine measures, its seconds into the replica's stats."""
         prompt = sum(max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start)
-                     for s in out.scheduled)
+                     for s in scheduled)
         if prompt >= PREFILL_RATE_MIN_TOKENS:  # as the engine measures its prefill rate and decode step
             self._prefill_steps.append((prompt, seconds))
         elif not prompt:
-            self._decode_steps.append((len(out.scheduled), seconds))
+            self._decode_steps.append((size, seconds))
         self.stepping = True
         self.stats.steps += 1
         self.stats.busy_s += seconds
-        return out, seconds
 
     def end_step(self, out, now: float) -> list[tuple[Request, bool]]:
-        """The step's tokens (one per sampling request) into the scheduler: (request, finished) of each."""
+        """The step's tokens (one per sampling request) into the scheduler: (request, finished) of each.
+        ``out``: the scheduler's output, or (decode batch, the scheduler's admissions or None) of a step
+        begun by ``_begin_decode``."""
         self.stepping = False
-        if isinstance(out, list):
-            outputs = self._end_decode(out)
-        else:
-            sampled = {item.request.request_id: [TOKEN] for item in out.scheduled if item.sample}
-            outputs = [(co.request, co.finished) for co in self.scheduler.update(out, ModelOutput(sampled))]
+        admitted = out
+        outputs = []
+        if isinstance(out, tuple):
+            batch, admitted = out
+            outputs = self._end_decode(batch)
+        if admitted is not None:
+            sampled = {item.request.request_id: [TOKEN] for item in admitted.scheduled if item.sample}
+            outputs += [(co.request, co.finished) for co in self.scheduler.update(admitted, ModelOutput(sampled))]
         self._generated.append((now, len(outputs)))
         self._generated_sum += len(outputs)
         return outputs
@@ -366,14 +379,14 @@ class _Replica:
     # A decode-only step, as Scheduler.schedule and update would run it (module docstring, "Speed").
 
     def decode_only(self) -> list[Request] | None:
-        """The running requests, when the next step gives each exactly one token and does nothing else:
-        a decode worker (its requests stop only at their length: ``_request``), each one token behind, no
-        admission (nothing waits, or the batch is full), within the token budget, and a free block for each
-        request that starts one (no preemption). None otherwise: the scheduler steps."""
+        """The running requests, when the next step gives each exactly one token: a decode worker (its
+        requests stop only at their length: ``_request``), each one token behind, within the token budget,
+        and a free block for each request that starts one (no preemption: the
+        scheduler then admits what waits with the budget left, ``Scheduler.admit``). None otherwise:
+        the scheduler steps."""
         s = self.scheduler
         running = s.running
-        if (self.role != "decode" or not running or len(running) > s.max_num_batched_tokens
-                or (s.waiting and len(running) < s.max_num_seqs)):
+        if self.role != "decode" or not running or len(running) > s.max_num_batched_tokens:
             return None
         bs = self.kv.block_size
         new_blocks = 0
@@ -386,10 +399,18 @@ class _Replica:
             return None
         return list(running)
 
+    @property
+    def admitting(self) -> bool:
+        """Whether the scheduler's next step would try to admit a waiting request (a seat and a token of
+        the budget left after one for each running request)."""
+        s = self.scheduler
+        return bool(s.waiting) and len(s.running) < min(s.max_num_seqs, s.max_num_batched_tokens)
+
     def _begin_decode(self, batch: list[Request], profile: Profile):
-        """Each request's slot for its token, in the scheduler's order. ``allocate_slots`` is called where
-        the position starts a block (a new one) or fills one (its hash cached, a KV event); at any other
-        position it would change nothing."""
+        """Each request's slot for its token, in the scheduler's order, then the scheduler's admissions
+        with the budget left (``admitting``). ``allocate_slots`` is called where the position starts a
+        block (a new one) or fills one (its hash cached, a KV event); at any other position it would
+        change nothing."""
         bs, kv = self.kv.block_size, self.kv
         context = 0
         for r in batch:
@@ -399,12 +420,16 @@ class _Replica:
                     raise AssertionError(f"{self.worker_id}: no block for {r.request_id} after counting free ones")
             r.num_computed_tokens = n + 1
             context += n + 1
-        seconds = profile.step_s(StepFeatures(decode_seqs=len(batch), decode_context=context))
-        self._decode_steps.append((len(batch), seconds))
-        self.stepping = True
-        self.stats.steps += 1
-        self.stats.busy_s += seconds
-        return batch, seconds
+        if not self.admitting:
+            seconds = profile.step_s(StepFeatures(decode_seqs=len(batch), decode_context=context))
+            self._account((), len(batch), seconds)
+            return (batch, None), seconds
+        admitted = self.scheduler.admit(self.scheduler.max_num_batched_tokens - len(batch))
+        f = features_of(admitted.scheduled)
+        seconds = profile.step_s(StepFeatures(f.prefill_tokens, f.prefill_pairs, f.decode_seqs + len(batch),
+                                              f.decode_context + context))
+        self._account(admitted.scheduled, len(batch) + len(admitted.scheduled), seconds)
+        return (batch, admitted), seconds
 
     def _end_decode(self, batch: list[Request]) -> list[tuple[Request, bool]]:
         outputs = []
@@ -421,10 +446,11 @@ class _Replica:
     def begin_run(self, batch: list[Request], profile: Profile, now: float, publishes: bool) -> _Run | None:
         """The decode-only steps that follow from now until a request ends at its length (the last one),
         as one run, its first step begun; None when fewer than two follow (the step goes alone). Until
-        one ends, nothing but an outside call changes the batch: no admission (``decode_only``), blocks
-        for every step's new ones counted free now, and every request past its first token (its first
-        changes the router's counts). ``publishes``: KV events are read (a prefix index), so the run
-        ends with the first step that makes or fills a block, whose events its end publishes."""
+        one ends, nothing but an outside call changes the batch: no admission (``_kick`` runs only a
+        batch not ``admitting``), blocks for every step's new ones counted free now, and every request
+        past its first token (its first changes the router's counts). ``publishes``: KV events are read
+        (a prefix index), so the run ends with the first step that makes or fills a block, whose events
+        its end publishes."""
         if any(r.num_output_tokens == 0 or r.max_output_tokens is None for r in batch):
             return None
         left = min(r.max_output_tokens - r.num_output_tokens for r in batch)
@@ -813,7 +839,7 @@ class _Simulation:
         if replica.stepping or replica.state == "stopped":
             return
         batch = replica.decode_only() if self.config.fast_decode else None
-        if batch is not None:
+        if batch is not None and not replica.admitting:
             run = replica.begin_run(batch, self.profile, self.now, self.index is not None)
             if run is not None:
                 run.flows = [self.flows[r.request_id] for r in run.batch]
@@ -846,14 +872,14 @@ class _Simulation:
             self._at(run.ends[-1], self._run_end, arg)
             return
         self._end_run(replica)
-        self._step_end((replica, run.batch))
+        self._step_end((replica, (run.batch, None)))
 
     def _break(self, replica: _Replica) -> None:
         """Before a call that changes the replica's requests or blocks: its run (if any) stops here, and
         the step under way ends on its own, as the scheduler's path would end it."""
         if replica.run is not None:
             run = self._end_run(replica)
-            self._at(run.ends[run.begun - 1], self._step_end, (replica, run.batch))
+            self._at(run.ends[run.begun - 1], self._step_end, (replica, (run.batch, None)))
 
     def _end_run(self, replica: _Replica) -> _Run:
         replica.advance(self.now)

@@ -247,6 +247,14 @@ class Scheduler:
             return max(self.running, key=self._order)
         return self.running[-1]
 
+    def admit(self, budget: int) -> SchedulerOutput:
+        """The waiting requests admitted within ``budget`` tokens, as ``schedule`` admits them after its
+        running requests: for a caller that stepped the running requests itself (the simulator's
+        decode-only part of a step, pdserve/bench/sim.py), with no preemption among them."""
+        out = SchedulerOutput()
+        self._admit_waiting(budget, out)
+        return out
+
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
