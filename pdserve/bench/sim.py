@@ -853,13 +853,40 @@ class _Simulation:
 
     def _step_end(self, arg) -> None:
         replica, out = arg
-        for request, finished in replica.end_step(out, self.now):
-            if replica.role == "prefill":
+        outputs = replica.end_step(out, self.now)
+        if replica.role == "prefill":
+            for request, _ in outputs:
                 self._first_token_from_prefill(replica, request)
-            else:
-                self._token(replica, request, finished)
+        else:
+            self._tokens(replica, outputs)
         self._publish(replica)
         self._kick(replica)
+
+    def _tokens(self, decode: _Replica, outputs: list[tuple[Request, bool]]) -> None:
+        """A decode worker's step's tokens, each as ``_token`` records it; with compact records, the
+        tokens that neither start nor end their request and follow a token of the same time share one
+        gap run (a step's batch mostly does)."""
+        if self.itl_runs is None:
+            for request, finished in outputs:
+                self._token(decode, request, finished)
+            return
+        flows, now = self.flows, self.now
+        last, count = None, 0
+        for request, finished in outputs:
+            flow = flows[request.request_id]
+            record = flow.record
+            if finished or record.ttft is None:
+                self._token(decode, request, finished)
+                continue
+            if flow.last != last:
+                if count:
+                    self._itl_run(now - last, count)
+                last, count = flow.last, 0
+            count += 1
+            flow.last = now
+            record.output_tokens += 1
+        if count:
+            self._itl_run(now - last, count)
 
     def _run_end(self, arg) -> None:
         """A run's last step ends (a request reaches its length): the steps before it into the records,

@@ -26,7 +26,7 @@ from typing import NamedTuple
 from pdserve.prefix_hash import BlockHash
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: a simulated cluster holds millions of them
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
@@ -126,14 +126,20 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot take {n} blocks, {self.num_free_blocks} free")
-        out = []
-        for _ in range(n):
-            if len(self.blocks) < self.num_blocks:  # one never used: no cached prefix to evict
-                block = KVCacheBlock(len(self.blocks))
-                self.blocks.append(block)
-            else:
-                _, block = self._free.popitem(last=False)
-                self._evict(block)
+        made = len(self.blocks)
+        fresh = min(n, self.num_blocks - made)  # never used (the queue's front): no cached prefix to evict
+        out = [KVCacheBlock(i, 1) for i in range(made, made + fresh)]
+        self.blocks.extend(out)
+        popitem, cached = self._free.popitem, self._cached
+        for _ in range(n - fresh):
+            _, block = popitem(last=False)
+            h = block.block_hash
+            if h is not None:  # its cached prefix evicted
+                block.block_hash = None
+                if cached.get(h) is block:
+                    del cached[h]
+                    if block.published:
+                        self.events.append("removed", (h,))
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -163,16 +169,6 @@ class BlockPool:
             self._cached[block_hash] = block
             if publish:
                 self.events.append("stored", (block_hash,))
-
-    def _evict(self, block: KVCacheBlock) -> None:
-        h = block.block_hash
-        if h is None:
-            return
-        block.block_hash = None
-        if self._cached.get(h) is block:
-            del self._cached[h]
-            if block.published:
-                self.events.append("removed", (h,))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only possible when no block is in use."""

@@ -131,9 +131,11 @@ class KVCacheManager:
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
-        if len(request.block_hashes) < len(request.all_token_ids) // self.block_size:
-            root = root_hash(self.model_fingerprint, self.block_size, request.cache_salt)
-            extend_block_hashes(request.block_hashes, root, request.all_token_ids, self.block_size)
+        hashes = request.block_hashes
+        if len(hashes) < len(request.all_token_ids) // self.block_size:
+            # The root is the first block's parent only: a chain already begun continues from its last.
+            root = hashes[-1] if hashes else root_hash(self.model_fingerprint, self.block_size, request.cache_salt)
+            extend_block_hashes(hashes, root, request.all_token_ids, self.block_size)
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """The longest run of cached full blocks that prefixes the request.
@@ -185,27 +187,30 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Offer the request's full blocks covering its first ``num_tokens`` to prefix hits (every
         group's, with layer groups; the first group's are published)."""
-        start = self._num_cached.get(request.request_id, 0)
+        rid = request.request_id
+        start = self._num_cached.get(rid, 0)
         if not self.enable_caching or num_tokens // self.block_size <= start:  # no block newly full
             return
         self.update_block_hashes(request)
-        tables = self._tables_of(request.request_id)
+        tables = self._tables_of(rid)
         if not tables:
             return
-        end = min(num_tokens // self.block_size, len(request.block_hashes), len(tables[0]))
-        for g, table in enumerate(tables):
-            for i in range(start, end):
-                if table[i] is not self.null_block:
-                    self.pool.cache_block(table[i], self._key(g, request.block_hashes[i]), publish=g == 0)
-        self._num_cached[request.request_id] = max(start, end)
+        hashes = request.block_hashes
+        end = min(num_tokens // self.block_size, len(hashes), len(tables[0]))
+        if end > start:
+            self._cache_range(tables, hashes, start, end)
+        self._num_cached[rid] = max(start, end)
 
-    # With one group: its table, its blocks cached under their hashes.
+    # With one group: its table, its blocks cached under their hashes (published).
     def _tables_of(self, request_id: str) -> list[list[KVCacheBlock]]:
         blocks = self._blocks.get(request_id)
         return [blocks] if blocks else []
 
-    def _key(self, group: int, block_hash: bytes) -> bytes:
-        return block_hash
+    def _cache_range(self, tables: list[list[KVCacheBlock]], hashes: list[bytes], start: int, end: int) -> None:
+        """Blocks ``start`` to ``end`` of the request's tables offered to prefix hits."""
+        table, cache = tables[0], self.pool.cache_block
+        for i in range(start, end):
+            cache(table[i], hashes[i])
 
     def free(self, request: Request) -> None:
         """Give back the request's blocks; its tail is evicted before its shared prefix."""
@@ -253,6 +258,13 @@ class HybridKVCacheManager(KVCacheManager):
 
     def _key(self, group: int, block_hash: bytes) -> bytes:
         return block_hash if group == 0 else bytes((group,)) + block_hash
+
+    def _cache_range(self, tables: list[list[KVCacheBlock]], hashes: list[bytes], start: int, end: int) -> None:
+        """Every group's blocks, each under its group's key (the first group's published); holes skipped."""
+        for g, table in enumerate(tables):
+            for i in range(start, end):
+                if table[i] is not self.null_block:
+                    self.pool.cache_block(table[i], self._key(g, hashes[i]), publish=g == 0)
 
     def get_computed_blocks(self, request: Request) -> list[tuple[KVCacheBlock, ...]]:
         """The longest cached prefix, as one tuple of blocks (a block per group) per block."""
