@@ -32,21 +32,21 @@ here reads a clock, and a seed fixes every draw, so a run is reproducible.
 Speed (``fast_decode``): a decode worker's step in which every running request decodes one token (a
 free block for each request starting one, none stopping but at its length) skips
 ``Scheduler.schedule``/``update`` and their per-step objects for its running requests: it makes the
-same ``KVCacheManager.allocate_slots`` calls the scheduler would (only where a block starts or fills:
-elsewhere that call changes nothing), the same token appends, and ends requests at their length with
-``finish_requests``; what waits is then admitted by the scheduler's own code with the budget left
-(``Scheduler.admit``), as ``schedule`` admits after its running requests. Such steps with nothing to
-admit in a row are one event, a *run* (``_Replica.begin_run``): from its
-start, the steps until a request reaches its length, their times known in advance (the batch and its
-context are). Whatever reads the replica in between (a poll of its load, the autoscaler's signals)
-first brings it to that moment (``advance``: the steps ended by then, the one under way begun, with
-the same ``allocate_slots`` calls in the same order); whatever changes it (a request added, a
+same ``KVCacheManager.allocate_slots`` calls the scheduler would (only where a block starts or
+fills: elsewhere that call changes nothing), the same token appends, and ends requests at their
+length with ``finish_requests``; what waits is then admitted by the scheduler's own code with the
+budget left (``Scheduler.admit``), as ``schedule`` admits after its running requests. Such steps in
+a row, with nothing to admit, are one event, a *run* (``_Replica.begin_run``): from its start, the
+steps until a request reaches its length, their times known in advance (the batch and its context
+are). Whatever reads the replica in between (a poll of its load, the autoscaler's signals) first
+brings it to that moment (``advance``: the steps ended by then, the one under way begun, with the
+same ``allocate_slots`` calls in the same order); whatever changes it (a request added, a
 reservation, remote KV landing) first ends the run there (``_break``), and the step under way ends
 on its own. With a prefix index the run stops at the first step that makes or fills a block, whose
 KV events must reach the index when it ends. So the records, the KV events and the load snapshots
 are those of the scheduler's path (tests compare the two, and the replicas' counts); the compact
-records' gap runs come in another order (the same distribution). Without a prefix index, the
-pools keep no KV events.
+records' gap runs come in another order (the same distribution). Without a prefix index, the pools
+keep no KV events.
 ``compact_records`` keeps the inter-token gaps as (gap, count) runs instead of a list per request
 (``SimResult.summary`` reads them; a million requests' lists would not fit in memory).
 """
@@ -382,10 +382,10 @@ class _Replica:
 
     def decode_only(self) -> list[Request] | None:
         """The running requests, when the next step gives each exactly one token: a decode worker (its
-        requests stop only at their length: ``_request``), each one token behind, within the token budget,
-        and a free block for each request that starts one (no preemption: the
-        scheduler then admits what waits with the budget left, ``Scheduler.admit``). None otherwise:
-        the scheduler steps."""
+        requests stop only at their length: ``_request``), each one token behind, within the token
+        budget, and a free block for each request that starts one (no preemption; the scheduler then
+        admits what waits with the budget left, ``Scheduler.admit``). None otherwise: the scheduler
+        steps."""
         s = self.scheduler
         running = s.running
         if self.role != "decode" or not running or len(running) > s.max_num_batched_tokens:
