@@ -146,10 +146,12 @@ def cache_aware_factory(model: CostModel, rng: random.Random | None = None, role
 
     rng = rng or random.Random()
 
-    def costs(workers: Sequence[WorkerLoad], req: RouteRequest) -> list[float]:
-        if role == "decode":
+    if role == "decode":
+        def costs(workers: Sequence[WorkerLoad], req: RouteRequest) -> list[float]:
             return cost.decode_costs(workers, req, model)
-        return [cost.remote_prefill_s(w, req, model) for w in workers]
+    else:
+        def costs(workers: Sequence[WorkerLoad], req: RouteRequest) -> list[float]:
+            return [cost.remote_prefill_s(w, req, model) for w in workers]
 
     def pick(workers: Sequence[WorkerLoad], request: RouteRequest | None = None) -> str | None:
         req = request or cost.RouteRequest(0)
