@@ -182,9 +182,10 @@ class TorchPagedAttention:
         )
         return out.view(1, self.num_heads, self.head_dim)
 
-    def prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A chunk of queries over its context and itself, causally (4-D inputs: SDPA's flash path);
-        within ``chunk.window`` positions when it is set."""
+        within ``chunk.window`` positions when it is set. ``dtype``: SDPA's inputs rounded to it
+        (bfloat16: oneDNN's AMX kernels where the processor has them), the output back to q's."""
         ctx, n, window = chunk.context_len, chunk.query_len, chunk.window
         if ctx == 0 and (not window or n <= window):
             keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
@@ -198,11 +199,19 @@ class TorchPagedAttention:
             lo, mask = chunk.key_mask()
             keys, values = keys[:, lo:], values[:, lo:]
             causal = False
+        q, keys, values = (x if dtype is None else x.to(dtype) for x in (q.transpose(0, 1), keys, values))
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
+            q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
             scale=self.scale, enable_gqa=self.group > 1,
         )
-        return out[0].transpose(0, 1)
+        out = out[0].transpose(0, 1)
+        return out if dtype is None else out.to(k.dtype)
+
+
+# How a prefill chunk's two products (scores, values) run on CPU: the C kernel in float32 or with
+# bf16 dot products (float32 accumulation), or SDPA on bfloat16 inputs. Only a model whose
+# projections already multiply in bfloat16 leaves float32 (CpuPagedAttention.choose_prefill_products).
+PREFILL_PRODUCTS = ("float32", "kernel_bf16", "sdpa_bf16")
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -218,9 +227,9 @@ class CpuPagedAttention(TorchPagedAttention):
 
         self.kernels = load_kernels()
         self._fits_cache: dict[int, bool] = {}  # block size -> whether the attention kernels take the shape
-        # Prefill's scores and values multiplied in bfloat16 where the kernels have bf16 dot products
-        # (set by the model runner for a model whose projections multiply in bfloat16: quantization bf16).
-        self.bf16_products = False
+        # How prefill chunks multiply (PREFILL_PRODUCTS): float32 unless the model's projections multiply
+        # in bfloat16 (quantization bf16), when choose_prefill_products measures which is fastest here.
+        self.prefill_products = "float32"
 
     def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         from pdserve.engine.cpu_kernels import rows_of_heads, usable, write_kv
@@ -248,12 +257,43 @@ class CpuPagedAttention(TorchPagedAttention):
         gathered copy, no mask tensor); SDPA where the kernel does not take the shape."""
         from pdserve.engine.cpu_kernels import paged_prefill, rows_of_heads, usable
 
+        if self.prefill_products == "sdpa_bf16":
+            return super().prefill(q, k, v, k_cache, v_cache, chunk, torch.bfloat16)
         if self.kernels is not None and rows_of_heads(q) and usable(k_cache, v_cache) and self._fits(v_cache.shape[2]):
             out = paged_prefill(self.kernels, q, k_cache, v_cache, chunk.block_ids, chunk.context_len, chunk.window,
-                                self.scale, self.bf16_products)
+                                self.scale, self.prefill_products == "kernel_bf16")
             if out is not None:
                 return out
         return super().prefill(q, k, v, k_cache, v_cache, chunk)
+
+    def choose_prefill_products(self, block_size: int, tokens: int = 512) -> dict[str, float]:
+        """For a model whose projections multiply in bfloat16: time each of ``PREFILL_PRODUCTS`` on
+        a chunk of ``tokens`` new tokens of this model's heads, keep the fastest, and return the
+        seconds each took (best of 3). Which one wins is the processor's: with AVX-512 bf16 dot
+        products alone (Zen 4) the kernel's bf16 products beat its float32 ones and SDPA in
+        bfloat16 is no faster; with AMX tiles, oneDNN's bfloat16 SDPA is 1.5-2.4x the kernel's
+        float32 products, whose bf16 products are slower still (README, CPU paths)."""
+        import time
+
+        gen = torch.Generator().manual_seed(0)
+        kvh, hd, n = self.num_kv_heads, self.head_dim, tokens
+        blocks = -(-n // block_size)
+        k_cache = torch.randn(blocks, kvh, hd, block_size, generator=gen)
+        v_cache = torch.randn(blocks, kvh, block_size, hd, generator=gen)
+        q = torch.randn(n, self.num_heads, hd, generator=gen)
+        k, v = torch.randn(n, kvh, hd, generator=gen), torch.randn(n, kvh, hd, generator=gen)
+        chunk = PrefillChunk(query_start=0, query_len=n, context_len=0, block_ids=torch.arange(blocks))
+        seconds = {}
+        for products in PREFILL_PRODUCTS:
+            self.prefill_products = products
+            runs = []
+            for _ in range(4):  # the first builds what the path builds once (oneDNN's kernels)
+                start = time.perf_counter()
+                self.prefill(q, k, v, k_cache, v_cache, chunk)
+                runs.append(time.perf_counter() - start)
+            seconds[products] = min(runs[1:])
+        self.prefill_products = min(seconds, key=seconds.get)
+        return seconds
 
     def _fits(self, block_size: int) -> bool:
         if block_size not in self._fits_cache:

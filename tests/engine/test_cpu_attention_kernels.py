@@ -19,7 +19,14 @@ import sys
 import pytest
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, CpuPagedAttention, PrefillChunk, TorchPagedAttention, windowed
+from pdserve.engine.attention import (
+    PREFILL_PRODUCTS,
+    AttentionMetadata,
+    CpuPagedAttention,
+    PrefillChunk,
+    TorchPagedAttention,
+    windowed,
+)
 from pdserve.engine.cpu_isa import ENV_ISA, ORDER, best_isa, cpu_flags
 from pdserve.engine.cpu_kernels import load_kernels
 
@@ -94,12 +101,13 @@ PREFILL_CASES = [  # heads, kv_heads, head_dim, block_size, context_len, query_l
 ]
 
 
-def check_prefill_cases(bf16_products: bool = False) -> None:
-    """bf16_products: the scores and values multiplied in bfloat16 (8 bits of mantissa: looser)."""
+def check_prefill_cases(products: str = "float32") -> None:
+    """``products``: how the backend multiplies (attention.PREFILL_PRODUCTS); in bfloat16 (8 bits of
+    mantissa) the bounds are looser."""
     torch.manual_seed(0)
     for heads, kv_heads, head_dim, block_size, context_len, query_len, window in PREFILL_CASES:
         backend = CpuPagedAttention(heads, kv_heads, head_dim)
-        backend.bf16_products = bf16_products
+        backend.prefill_products = products
         assert backend._fits(block_size), (heads, kv_heads, head_dim, block_size)
         total = context_len + query_len
         keys, values = torch.randn(total, kv_heads, head_dim), torch.randn(total, kv_heads, head_dim)
@@ -109,7 +117,7 @@ def check_prefill_cases(bf16_products: bool = False) -> None:
         chunk = PrefillChunk(0, query_len, context_len, table, window)
         out = backend.prefill(q, keys[context_len:], values[context_len:], k_cache, v_cache, chunk)
         expected = reference(q, keys, values, context_len, window)
-        if bf16_products:
+        if products != "float32":
             assert (out - expected).abs().max() < 0.05  # values of size ~1 after ~100-term sums
             assert (out - expected).pow(2).mean().sqrt() < 0.005
         else:
@@ -143,7 +151,7 @@ def check_decode_cases() -> None:
 def check_cases() -> None:
     check_prefill_cases()
     check_decode_cases()
-    check_prefill_cases(bf16_products=True)  # AVX2: the float32 products (the kernels have no bf16 here)
+    check_prefill_cases("kernel_bf16")  # AVX2: the float32 products (the kernels have no bf16 here)
 
 
 @needs_kernels
@@ -157,7 +165,20 @@ def test_the_prefill_kernel_in_bfloat16_products_stays_close():
     prefill uses them (the answer then differs from float32's, within bfloat16's precision)."""
     if "avx512_bf16" in cpu_flags() and os.environ.get(ENV_ISA) in (None, "avx512_bf16", "amx"):
         assert load_kernels().paged_prefill_bf16_products() == 1
-    check_prefill_cases(bf16_products=True)
+    check_prefill_cases("kernel_bf16")
+
+
+def test_prefill_through_sdpa_in_bfloat16_stays_close():
+    """The third way a bf16 model's prefill may multiply (oneDNN's bfloat16 SDPA, AMX's): chunks
+    with and without context, windows, groups, within bfloat16's precision."""
+    check_prefill_cases("sdpa_bf16")
+
+
+def test_a_bf16_model_keeps_the_fastest_prefill_products():
+    backend = CpuPagedAttention(9, 3, 64)
+    seconds = backend.choose_prefill_products(16, tokens=64)
+    assert set(seconds) == set(PREFILL_PRODUCTS) and all(s > 0 for s in seconds.values())
+    assert backend.prefill_products == min(seconds, key=seconds.get)
 
 
 @needs_kernels
