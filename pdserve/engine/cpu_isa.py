@@ -17,10 +17,13 @@ packed once at load into its blocked layout; below, MKL's SGEMM. Measured on the
 model's shapes with 2 threads of an AVX-512 (bf16) EPYC, natively and capped at AVX2
 (benchmarks/cpu_matmul.py, docs/bench/cpu_matmul.md): float32 at 32-2048 rows, packed oneDNN
 181-210 GFLOP/s against MKL's 130-190 (lm_head 162-191 against 63-135), and at 4-8 rows 1.3-3.6x;
-capped at AVX2 the same order. One to four rows (decode) go through the engine's C kernels (they
-stream each weight once: 42-68 GFLOP/s at one row against oneDNN's 14-50). bfloat16 with
-hardware dot products (avx512_bf16, AMX) doubles it: packed oneDNN 330-425 GFLOP/s from 32 rows;
-without them bfloat16 is emulated at 25-45 GFLOP/s, so float32 stays the default everywhere.
+capped at AVX2 the same order. On a 2-core AMX Xeon oneDNN and MKL were level from 16 rows
+(330-365 GFLOP/s at 256-2048). A few rows (decode) go through the engine's C kernels, which
+stream each weight once (42-76 GFLOP/s at one row against oneDNN's 11-50); up to how many is
+measured on the machine (``cpu_few_rows``: 4 on that EPYC, 12 on that Xeon). bfloat16 with
+hardware dot products doubles the rate with avx512_bf16 (packed oneDNN 330-425 GFLOP/s from 32
+rows) and with AMX tiles multiplies it by 5-6 (1,900-2,300 GFLOP/s at 2,048 rows); without
+them bfloat16 is emulated at 25-45 GFLOP/s, so float32 stays the default everywhere.
 """
 
 from __future__ import annotations
@@ -81,17 +84,6 @@ def active_isa() -> str:
     return os.environ.get(ENV_ISA) or best_isa(cpu_flags())
 
 
-def few_rows(linear_path: str, isa: str) -> int:
-    """Up to how many rows a float32 projection goes through the C kernel that reads W once for all
-    of them, rather than ``linear_path``. Measured per ISA (benchmarks/decode_steps.py, and
-    benchmarks/cpu_matmul.py per projection): with AVX-512, oneDNN's packed GEMM is as fast from 4
-    rows on; on AVX2 the C kernel is faster up to 8 (the default model's decode step of 8
-    requests: 52 ms, against 75 ms through oneDNN) and level with it at 12."""
-    if linear_path == "onednn" and ORDER.index(isa) >= ORDER.index("avx512"):
-        return 4
-    return 8
-
-
 @dataclass(frozen=True)
 class CpuPlan:
     """The ISA the engine computes with, and why."""
@@ -130,8 +122,8 @@ class CpuPlan:
         paths = {"onednn": "float32 projections through oneDNN with packed weights",
                  "mkl": "float32 projections through MKL's SGEMM"}
         bf16 = "bfloat16 has dot products" if self.bf16_dot else "bfloat16 would be emulated (slow): keep float32"
-        few = few_rows(self.linear_path, self.isa)
-        return f"CPU ISA {self.isa}: {why}; {paths[self.linear_path]}, 1-{few} rows through the C kernels; {bf16}"
+        return (f"CPU ISA {self.isa}: {why}; {paths[self.linear_path]}, a few rows through the C kernels (how many: "
+                f"measured, cpu_few_rows); {bf16}")
 
     def apply_env(self) -> None:
         """Cap the libraries at this ISA (a no-op for the processor's own best: they choose it)."""

@@ -42,8 +42,13 @@ def _cpu_flags() -> list[str]:
     return chosen
 
 
+def cache_root() -> Path:
+    """Where what is built or measured once per machine is kept (``PDSERVE_CACHE_DIR``)."""
+    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+
+
 def _cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
+    return cache_root() / "kernels"
 
 
 @cache

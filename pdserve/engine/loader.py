@@ -60,8 +60,10 @@ def load_model(
     model = build_model(cfg, weights, dtype, device, max_positions, seed)
     del weights  # the float copies go before the quantized ones are built
     quantize_model(model, quantization, quantization_group_size, source.path, tokenizer)
-    if linear_path != "mkl" and next(model.parameters()).device.type == "cpu":
-        model.prepare_for_cpu(torch.get_num_threads(), linear_path)  # after quantization: only float layers
+    if next(model.parameters()).device.type == "cpu":
+        if linear_path != "mkl":
+            model.prepare_for_cpu(torch.get_num_threads(), linear_path)  # after quantization: only float layers
+        model.choose_few_rows(torch.get_num_threads())
     fingerprint = _fingerprint(source, cfg, seed, f"{quantization}/{quantization_group_size}")
     return LoadedModel(model, tokenizer, cfg, source, time.perf_counter() - start, fingerprint)
 

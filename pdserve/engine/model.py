@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine import cpu_kernels
+from pdserve.engine import cpu_few_rows, cpu_kernels
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.config import ModelConfig, RopeScaling
-from pdserve.engine.cpu_isa import active_isa, few_rows
 from pdserve.engine.cpu_kernels import usable
 
 
@@ -27,7 +26,7 @@ class Linear(nn.Module):
 
     On CPU (after ``prepare_for_cpu``, with the path ``cpu_isa`` chose for this processor): one
     row (single-request decode) goes through a C gemv that streams W's rows, split across
-    threads, and up to ``cpu_isa.few_rows`` rows (4 or 8, by path and ISA) through a C kernel
+    threads, and up to ``few_rows`` rows (measured per machine: ``cpu_few_rows``) through a C kernel
     that reads each row of W once for all of them (25-45% faster than ``bmm`` at 2-7 rows; the
     rows past a multiple of 4 in one more pass, not one pass each). More rows: with the ``onednn`` path,
     oneDNN with W packed once into its blocked layout (``_linear_pointwise``); with ``mkl``, up to
@@ -49,18 +48,18 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.parts = 1
         self.kernels = None
-        self.few_rows = 8  # up to this many rows, the C kernel (cpu_isa.few_rows, by path and ISA)
+        self.few_rows = 8  # up to this many rows, the C kernel (the model sets it: cpu_few_rows)
         self.path = "mkl"
         self._packed: tuple[torch.Tensor, tuple[int, int]] | None = None  # W in oneDNN's layout, and of which W
 
     def prepare_for_cpu(self, parts: int, kernels, path: str = "mkl", rows: int | None = None) -> None:
-        """``rows``: up to how many rows the C kernel takes (None: ``cpu_isa.few_rows`` for this path
-        and the active ISA; the model passes it, worked out once for all its projections)."""
+        """``rows``: up to how many rows the C kernel takes (None: as before; the model sets it from
+        ``cpu_few_rows``, measured once per machine for all its projections)."""
         self.weight = nn.Parameter(self.weight.detach().contiguous(), requires_grad=False)
         self.parts = parts if parts > 1 and self.weight.shape[0] % parts == 0 else 1
         self.kernels = kernels if self.weight.dtype == torch.float32 else None
         self.path, self._packed = path, None
-        self.few_rows = few_rows(path, active_isa()) if rows is None else rows
+        self.few_rows = self.few_rows if rows is None else rows
         if path == "onednn":
             self.packed_weight()
 
@@ -78,6 +77,11 @@ class Linear(nn.Module):
             if rows == 1:
                 return cpu_kernels.gemv(self.kernels, self.weight, x)
             return cpu_kernels.gemm_rows(self.kernels, self.weight, x)
+        return self.many_rows(x)
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` through the path for more than ``few_rows`` rows."""
+        rows = x.shape[0]
         if self.path == "onednn" and not x.is_cuda:
             pad = -rows % self.ROW_BUCKET if x.dim() == 2 else 0
             if pad:
@@ -273,14 +277,23 @@ class LlamaForCausalLM(nn.Module):
         once after loading."""
         # the activations' dtype (the norms'): a bf16 embedding table under float32 activations still takes them
         kernels = cpu_kernels.load_kernels() if self.norm.weight.dtype == torch.float32 else None
-        rows = few_rows(linear_path, active_isa())  # the ISA once (it may read /proc/cpuinfo), not per projection
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepare_for_cpu(threads, kernels, linear_path, rows)
+                module.prepare_for_cpu(threads, kernels, linear_path)
             elif isinstance(module, (RMSNorm, MLP)):
                 module.kernels = kernels
         if self.config.tie_word_embeddings and isinstance(self.lm_head, Linear):  # (a bf16 head has its own copy)
             self.embed_tokens.weight = self.lm_head.weight
+
+    def choose_few_rows(self, threads: int) -> None:
+        """Up to how many rows the float32 projections go through the C kernel: this machine's
+        answer (``cpu_few_rows``, measured once per machine); call after ``prepare_for_cpu``."""
+        layer = [m for m in self.layers[0].modules() if isinstance(m, Linear) and m.kernels is not None]
+        if layer:  # float32 projections (quantized ones have kernels of their own)
+            rows = cpu_few_rows.few_rows_for(layer, threads)
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.few_rows = rows
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens.weight)

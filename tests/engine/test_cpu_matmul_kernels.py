@@ -1,16 +1,16 @@
 """The C few-rows matmuls (csrc/cpu_kernels.c: ``gemv`` for one row, ``gemm_rows`` for a few, four
 rows per pass over W and the rest in one more pass) against a float64 product, for every row count a
 projection sends them, float32 and bfloat16 weights, sizes that are not multiples of 4; and the row
-threshold each processor gets (cpu_isa.few_rows)."""
+threshold each machine measures (cpu_few_rows)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.engine import cpu_kernels
-from pdserve.engine.cpu_isa import few_rows
+from pdserve.engine import cpu_few_rows, cpu_kernels
 from pdserve.engine.cpu_kernels import load_kernels
+from pdserve.engine.model import Linear
 
 needs_kernels = pytest.mark.skipif(load_kernels() is None, reason="no C compiler here")
 
@@ -32,7 +32,22 @@ def test_few_rows_products_equal_a_float64_matmul(rows, dtype):
         torch.testing.assert_close(out[r : r + 1], alone, rtol=1e-5, atol=1e-4)
 
 
-def test_the_c_kernel_takes_up_to_8_rows_except_where_onednn_is_as_fast_from_4():
-    assert few_rows("onednn", "avx2") == 8  # AVX2: the C kernel is faster up to 8 (benchmarks/decode_steps.py)
-    assert few_rows("onednn", "avx512") == few_rows("onednn", "avx512_bf16") == 4
-    assert few_rows("mkl", "avx2") == few_rows("mkl", "avx512") == 8
+@needs_kernels
+def test_the_row_threshold_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch, caplog):
+    """The first model on a machine times its layer both ways and writes the answer; the next reads it,
+    so every worker on the machine multiplies a batch of a given size the same way."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    layer = []
+    for n, k in ((48, 64), (96, 48)):
+        linear = Linear(k, n)
+        torch.nn.init.normal_(linear.weight)
+        linear.prepare_for_cpu(1, load_kernels(), "onednn")
+        layer.append(linear)
+    rows, seconds = cpu_few_rows.measure(layer)
+    assert set(seconds) == set(cpu_few_rows.CANDIDATES) and all(c > 0 and p > 0 for c, p in seconds.values())
+    faster = [r for r in cpu_few_rows.CANDIDATES if seconds[r][0] <= seconds[r][1]]
+    assert rows == 1 or rows in faster and all(r in faster for r in cpu_few_rows.CANDIDATES if r <= rows)
+    first = cpu_few_rows.few_rows_for(layer, 1)
+    assert (tmp_path / "few_rows.json").exists()
+    monkeypatch.setattr(cpu_few_rows, "measure", lambda layer: pytest.fail("measured twice"))
+    assert cpu_few_rows.few_rows_for(layer, 1) == first
