@@ -73,19 +73,23 @@ def few_rows_for(layer: list, threads: int) -> int:
     key = " | ".join([describe_cpu(), active_isa(), layer[0].path, f"{threads} threads", f"torch {torch.__version__}",
                       str(shapes)])
     path = cache_root() / "few_rows.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        known = json.loads(path.read_text()) if path.exists() else {}
-        if key in known:
-            log.info("projections of 1-%d rows through the C kernels, more through %s (measured on this processor "
-                     "before: %s)", known[key], layer[0].path, path)
-            return known[key]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            known = json.loads(path.read_text()) if path.exists() else {}
+            if key in known:
+                log.info("projections of 1-%d rows through the C kernels, more through %s (measured on this "
+                         "processor before: %s)", known[key], layer[0].path, path)
+                return known[key]
+            rows, seconds = measure(layer)
+            known[key] = rows
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1))
+            os.replace(tmp, path)
+    except (OSError, ValueError) as e:  # a read-only or broken cache: measure, keep nothing
+        log.warning("cannot keep the row threshold in %s (%s): measuring it for this process only", path, e)
         rows, seconds = measure(layer)
-        known[key] = rows
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        os.replace(tmp, path)
     log.info("projections of 1-%d rows through the C kernels, more through %s: measured on this processor "
              "(one layer, C against %s, ms: %s); kept in %s", rows, layer[0].path, layer[0].path,
              ", ".join(f"{r} rows {c * 1e3:.2f}/{p * 1e3:.2f}" for r, (c, p) in seconds.items()), path)

@@ -51,3 +51,14 @@ def test_the_row_threshold_is_measured_once_per_machine_and_kept(tmp_path, monke
     assert (tmp_path / "few_rows.json").exists()
     monkeypatch.setattr(cpu_few_rows, "measure", lambda layer: pytest.fail("measured twice"))
     assert cpu_few_rows.few_rows_for(layer, 1) == first
+
+
+@needs_kernels
+def test_a_broken_row_threshold_cache_is_measured_around_not_fatal(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    (tmp_path / "few_rows.json").write_text("{not json")
+    linear = Linear(64, 48)
+    torch.nn.init.normal_(linear.weight)
+    linear.prepare_for_cpu(1, load_kernels(), "onednn")
+    monkeypatch.setattr(cpu_few_rows, "measure", lambda layer: (8, {8: (1.0, 2.0)}))
+    assert cpu_few_rows.few_rows_for([linear], 1) == 8
