@@ -53,8 +53,8 @@ class Linear(nn.Module):
         self._packed: tuple[torch.Tensor, tuple[int, int]] | None = None  # W in oneDNN's layout, and of which W
 
     def prepare_for_cpu(self, parts: int, kernels, path: str = "mkl", rows: int | None = None) -> None:
-        """``rows``: up to how many rows the C kernel takes (None: as before; the model sets it from
-        ``cpu_few_rows``, measured once per machine for all its projections)."""
+        """``rows``: up to how many rows the C kernel takes (None: keep the current count, 8 until the
+        model sets the machine's from ``cpu_few_rows``)."""
         self.weight = nn.Parameter(self.weight.detach().contiguous(), requires_grad=False)
         self.parts = parts if parts > 1 and self.weight.shape[0] % parts == 0 else 1
         self.kernels = kernels if self.weight.dtype == torch.float32 else None
