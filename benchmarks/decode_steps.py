@@ -1,7 +1,7 @@
 """Decode step time by batch size on this processor: the engine of the default model (float32, 2
 threads), each batch of requests prefilled (512-token prompts), then ``--steps`` decode steps timed.
 Shows where the projections' path changes (the C few-rows kernel up to the row count measured for
-this machine, engine/cpu_few_rows.py, then the ``linear_path``), and with ``--few-rows N`` what
+this machine, engine/cpu_measured.py, then the ``linear_path``), and with ``--few-rows N`` what
 another threshold would give.
 
     python benchmarks/decode_steps.py                  # this processor's thresholds
@@ -33,7 +33,7 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens per request (default: 512)")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size (default: 20)")
     parser.add_argument("--few-rows", type=int, default=None,
-                        help="override the C kernel's row threshold (default: this machine's, cpu_few_rows)")
+                        help="override the C kernel's row threshold (default: this machine's, cpu_measured)")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, num_threads=args.threads, load_progress=False,
                                     enable_prefix_caching=False))

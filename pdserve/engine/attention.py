@@ -266,13 +266,27 @@ class CpuPagedAttention(TorchPagedAttention):
                 return out
         return super().prefill(q, k, v, k_cache, v_cache, chunk)
 
-    def choose_prefill_products(self, block_size: int, tokens: int = 512) -> dict[str, float]:
-        """For a model whose projections multiply in bfloat16: time each of ``PREFILL_PRODUCTS`` on
-        a chunk of ``tokens`` new tokens of this model's heads, keep the fastest, and return the
-        seconds each took (best of 3). Which one wins is the processor's: with AVX-512 bf16 dot
-        products alone (Zen 4) the kernel's bf16 products beat its float32 ones and SDPA in
-        bfloat16 is no faster; with AMX tiles, oneDNN's bfloat16 SDPA is 1.5-2.4x the kernel's
-        float32 products, whose bf16 products are slower still (README, CPU paths)."""
+    def choose_prefill_products(self, block_size: int, threads: int) -> str:
+        """For a model whose projections multiply in bfloat16: the fastest of ``PREFILL_PRODUCTS``
+        on this machine, measured once (``time_prefill_products``) and kept (``cpu_measured``), so
+        every worker on the machine multiplies alike. Which one wins is the processor's: with
+        AVX-512 bf16 dot products alone (Zen 4) the kernel's bf16 products beat its float32 ones and
+        SDPA in bfloat16 is no faster; with AMX tiles, oneDNN's bfloat16 SDPA is 1.5-2.4x the
+        kernel's float32 products, whose bf16 products are slower still (README, CPU paths)."""
+        from pdserve.engine.cpu_measured import kept, machine_key
+
+        def timed() -> tuple[str, str]:
+            seconds = self.time_prefill_products(block_size)
+            return min(seconds, key=seconds.get), "a 512-token chunk, ms: " + ", ".join(
+                f"{name} {s * 1e3:.2f}" for name, s in seconds.items())
+
+        key = machine_key(f"{threads} threads", (self.num_heads, self.num_kv_heads, self.head_dim, block_size))
+        self.prefill_products = kept("a bf16 model's prefill products", key, timed)
+        return self.prefill_products
+
+    def time_prefill_products(self, block_size: int, tokens: int = 512) -> dict[str, float]:
+        """The seconds each of ``PREFILL_PRODUCTS`` takes (best of 3 after a first call) on a chunk of
+        ``tokens`` new tokens of this model's heads; leaves the fastest chosen."""
         import time
 
         gen = torch.Generator().manual_seed(0)

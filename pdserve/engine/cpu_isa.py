@@ -20,7 +20,7 @@ model's shapes with 2 threads of an AVX-512 (bf16) EPYC, natively and capped at 
 capped at AVX2 the same order. On a 2-core AMX Xeon oneDNN and MKL were level from 16 rows
 (330-365 GFLOP/s at 256-2048). A few rows (decode) go through the engine's C kernels, which
 stream each weight once (42-76 GFLOP/s at one row against oneDNN's 11-50); up to how many is
-measured on the machine (``cpu_few_rows``: 4 on that EPYC, 12 on that Xeon). bfloat16 with
+measured on the machine (``cpu_measured``: 12 on that Xeon, where the fixed rule said 4). bfloat16 with
 hardware dot products doubles the rate with avx512_bf16 (packed oneDNN 330-425 GFLOP/s from 32
 rows) and with AMX tiles multiplies it by 5-6 (1,900-2,300 GFLOP/s at 2,048 rows); without
 them bfloat16 is emulated at 25-45 GFLOP/s, so float32 stays the default everywhere.
@@ -123,7 +123,7 @@ class CpuPlan:
                  "mkl": "float32 projections through MKL's SGEMM"}
         bf16 = "bfloat16 has dot products" if self.bf16_dot else "bfloat16 would be emulated (slow): keep float32"
         return (f"CPU ISA {self.isa}: {why}; {paths[self.linear_path]}, a few rows through the C kernels (how many: "
-                f"measured, cpu_few_rows); {bf16}")
+                f"measured, cpu_measured); {bf16}")
 
     def apply_env(self) -> None:
         """Cap the libraries at this ISA (a no-op for the processor's own best: they choose it)."""

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine import cpu_few_rows, cpu_kernels
+from pdserve.engine import cpu_kernels, cpu_measured
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.config import ModelConfig, RopeScaling
 from pdserve.engine.cpu_kernels import usable
@@ -26,7 +26,7 @@ class Linear(nn.Module):
 
     On CPU (after ``prepare_for_cpu``, with the path ``cpu_isa`` chose for this processor): one
     row (single-request decode) goes through a C gemv that streams W's rows, split across
-    threads, and up to ``few_rows`` rows (measured per machine: ``cpu_few_rows``) through a C kernel
+    threads, and up to ``few_rows`` rows (measured per machine: ``cpu_measured``) through a C kernel
     that reads each row of W once for all of them (25-45% faster than ``bmm`` at 2-7 rows; the
     rows past a multiple of 4 in one more pass, not one pass each). More rows: with the ``onednn`` path,
     oneDNN with W packed once into its blocked layout (``_linear_pointwise``); with ``mkl``, up to
@@ -48,13 +48,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.parts = 1
         self.kernels = None
-        self.few_rows = 8  # up to this many rows, the C kernel (the model sets it: cpu_few_rows)
+        self.few_rows = 8  # up to this many rows, the C kernel (the model sets it: cpu_measured)
         self.path = "mkl"
         self._packed: tuple[torch.Tensor, tuple[int, int]] | None = None  # W in oneDNN's layout, and of which W
 
     def prepare_for_cpu(self, parts: int, kernels, path: str = "mkl", rows: int | None = None) -> None:
         """``rows``: up to how many rows the C kernel takes (None: keep the current count, 8 until the
-        model sets the machine's from ``cpu_few_rows``)."""
+        model sets the machine's from ``cpu_measured``)."""
         self.weight = nn.Parameter(self.weight.detach().contiguous(), requires_grad=False)
         self.parts = parts if parts > 1 and self.weight.shape[0] % parts == 0 else 1
         self.kernels = kernels if self.weight.dtype == torch.float32 else None
@@ -287,10 +287,10 @@ class LlamaForCausalLM(nn.Module):
 
     def choose_few_rows(self, threads: int) -> None:
         """Up to how many rows the float32 projections go through the C kernel: this machine's
-        answer (``cpu_few_rows``, measured once per machine); call after ``prepare_for_cpu``."""
+        answer (``cpu_measured``, measured once per machine); call after ``prepare_for_cpu``."""
         layer = [m for m in self.layers[0].modules() if isinstance(m, Linear) and m.kernels is not None]
         if layer:  # float32 projections (quantized ones have kernels of their own)
-            rows = cpu_few_rows.few_rows_for(layer, threads)
+            rows = cpu_measured.few_rows_for(layer, threads)
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.few_rows = rows

@@ -112,10 +112,7 @@ class ModelRunner:
             self.backend = get_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                        self.device.type)
             if isinstance(self.backend, CpuPagedAttention) and model.bf16_matmuls:
-                seconds = self.backend.choose_prefill_products(block_size)
-                log.info("prefill attention of a bf16 model: %s products, the fastest here on a 512-token chunk "
-                         "(%s)", self.backend.prefill_products,
-                         ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in seconds.items()))
+                self.backend.choose_prefill_products(block_size, torch.get_num_threads())
         # On CUDA, steps run through cuda_graphs: inputs moved to the GPU, decode steps replayed as graphs.
         self.cuda_graphs = CudaGraphRunner(model, self.layer_caches, self.backend, block_size) \
             if self.device.type == "cuda" else None

@@ -1,14 +1,14 @@
 """The C few-rows matmuls (csrc/cpu_kernels.c: ``gemv`` for one row, ``gemm_rows`` for a few, four
 rows per pass over W and the rest in one more pass) against a float64 product, for every row count a
 projection sends them, float32 and bfloat16 weights, sizes that are not multiples of 4; and the row
-threshold each machine measures (cpu_few_rows)."""
+threshold each machine measures (cpu_measured)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.engine import cpu_few_rows, cpu_kernels
+from pdserve.engine import cpu_kernels, cpu_measured
 from pdserve.engine.cpu_kernels import load_kernels
 from pdserve.engine.model import Linear
 
@@ -43,22 +43,22 @@ def test_the_row_threshold_is_measured_once_per_machine_and_kept(tmp_path, monke
         torch.nn.init.normal_(linear.weight)
         linear.prepare_for_cpu(1, load_kernels(), "onednn")
         layer.append(linear)
-    rows, seconds = cpu_few_rows.measure(layer)
-    assert set(seconds) == set(cpu_few_rows.CANDIDATES) and all(c > 0 and p > 0 for c, p in seconds.values())
-    faster = [r for r in cpu_few_rows.CANDIDATES if seconds[r][0] <= seconds[r][1]]
-    assert rows == 1 or rows in faster and all(r in faster for r in cpu_few_rows.CANDIDATES if r <= rows)
-    first = cpu_few_rows.few_rows_for(layer, 1)
-    assert (tmp_path / "few_rows.json").exists()
-    monkeypatch.setattr(cpu_few_rows, "measure", lambda layer: pytest.fail("measured twice"))
-    assert cpu_few_rows.few_rows_for(layer, 1) == first
+    rows, seconds = cpu_measured.measure(layer)
+    assert set(seconds) == set(cpu_measured.CANDIDATES) and all(c > 0 and p > 0 for c, p in seconds.values())
+    faster = [r for r in cpu_measured.CANDIDATES if seconds[r][0] <= seconds[r][1]]
+    assert rows == 1 or rows in faster and all(r in faster for r in cpu_measured.CANDIDATES if r <= rows)
+    first = cpu_measured.few_rows_for(layer, 1)
+    assert (tmp_path / "measured.json").exists()
+    monkeypatch.setattr(cpu_measured, "measure", lambda layer: pytest.fail("measured twice"))
+    assert cpu_measured.few_rows_for(layer, 1) == first
 
 
 @needs_kernels
 def test_a_broken_row_threshold_cache_is_measured_around_not_fatal(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    (tmp_path / "few_rows.json").write_text("{not json")
+    (tmp_path / "measured.json").write_text("{not json")
     linear = Linear(64, 48)
     torch.nn.init.normal_(linear.weight)
     linear.prepare_for_cpu(1, load_kernels(), "onednn")
-    monkeypatch.setattr(cpu_few_rows, "measure", lambda layer: (8, {8: (1.0, 2.0)}))
-    assert cpu_few_rows.few_rows_for([linear], 1) == 8
+    monkeypatch.setattr(cpu_measured, "measure", lambda layer: (8, {8: (1.0, 2.0)}))
+    assert cpu_measured.few_rows_for([linear], 1) == 8

@@ -1,0 +1,114 @@
+"""Choices of the CPU paths that the processor's flags do not settle: measured on the machine,
+once, and kept in the cache directory so that every process on it chooses alike.
+
+``kept(name, key, measure)`` is the mechanism: the first process to need a choice on a machine
+runs ``measure`` under a lock and writes the answer to ``$PDSERVE_CACHE_DIR/measured.json``
+under ``key`` (what the answer depends on: the processor, the ISA, the threads, torch's version,
+the shapes); every later process reads it. Paths that round differently must not differ between
+workers that exchange KV or whose outputs are compared, and processes that start together wait
+for one measurement. A cache that cannot be read or written is measured around, for that
+process only.
+
+Two choices use it:
+
+- **the few-rows threshold** (``few_rows_for``): up to how many rows a float32 projection goes
+  through the C kernel, which reads each row of W once for all the rows, rather than the
+  ``linear_path`` (oneDNN with packed weights, or MKL). Where the path overtakes is the
+  processor's: on a 2-core Zen 4 with AVX-512 oneDNN was as fast from 4 rows, on Zen 3 (AVX2) the
+  C kernel led up to 8, and on a 2-core AMX Xeon up to 12 (a decode step of 8 requests 48 ms
+  against 63; ``benchmarks/decode_steps.py --few-rows N``). Timed on one decoder layer's
+  projections both ways at each of ``CANDIDATES`` rows.
+- **a bf16 model's prefill products** (``attention.CpuPagedAttention.choose_prefill_products``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from pdserve.engine.cpu_kernels import cache_root
+
+log = logging.getLogger(__name__)
+
+CANDIDATES = (2, 4, 8, 12, 16, 24)
+
+
+def _best_of(fn, runs: int = 5) -> float:
+    fn()  # oneDNN builds its kernel for the shape on the first call
+    seconds = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return min(seconds)
+
+
+def measure(layer: list, candidates: tuple[int, ...] = CANDIDATES) -> tuple[int, dict[int, tuple[float, float]]]:
+    """``(rows, seconds)``: the largest candidate up to which the C kernel is at least as fast as the
+    path at every candidate (1: from 2 rows the path wins), and each candidate's (C, path) seconds
+    for all of ``layer``'s projections (``model.Linear``s with their kernels set)."""
+    from pdserve.engine import cpu_kernels
+
+    gen = torch.Generator().manual_seed(0)
+    seconds = {}
+    with torch.inference_mode():
+        for rows in candidates:
+            xs = [torch.randn(rows, m.weight.shape[1], generator=gen) for m in layer]
+            c = _best_of(lambda xs=xs: [cpu_kernels.gemm_rows(m.kernels, m.weight, x) for m, x in zip(layer, xs)])
+            path = _best_of(lambda xs=xs: [m.many_rows(x) for m, x in zip(layer, xs)])
+            seconds[rows] = (c, path)
+    best = 1
+    for rows in candidates:
+        if seconds[rows][0] > seconds[rows][1]:
+            break
+        best = rows
+    return best, seconds
+
+
+def kept(name: str, key: str, measure: Callable[[], tuple[object, str]]) -> object:
+    """The answer to ``name`` for ``key`` on this machine: read from the cache directory, or
+    ``measure()``'d (it returns the answer and a line for the log) and written there, under a lock."""
+    path = cache_root() / "measured.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            known = json.loads(path.read_text()) if path.exists() else {}
+            if f"{name} | {key}" in known:
+                log.info("%s: %s (measured on this machine before: %s)", name, known[f"{name} | {key}"], path)
+                return known[f"{name} | {key}"]
+            answer, detail = measure()
+            known[f"{name} | {key}"] = answer
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1))
+            os.replace(tmp, path)
+    except (OSError, ValueError) as e:  # a read-only or broken cache: measure, keep nothing
+        log.warning("cannot keep %s in %s (%s): measuring it for this process only", name, path, e)
+        answer, detail = measure()
+    log.info("%s: %s, measured on this machine (%s); kept in %s", name, answer, detail, path)
+    return answer
+
+
+def machine_key(*parts) -> str:
+    """What a measured answer depends on: the processor, the ISA, torch's version, and ``parts``."""
+    from pdserve.engine.cpu_isa import active_isa, describe_cpu
+
+    return " | ".join([describe_cpu(), active_isa(), f"torch {torch.__version__}", *map(str, parts)])
+
+
+def few_rows_for(layer: list, threads: int) -> int:
+    """The row threshold for projections like ``layer``'s on this machine (``kept``, ``measure``)."""
+    def timed() -> tuple[int, str]:
+        rows, seconds = measure(layer)
+        return rows, (f"one layer, C against {layer[0].path}, ms: "
+                      + ", ".join(f"{r} rows {c * 1e3:.2f}/{p * 1e3:.2f}" for r, (c, p) in seconds.items()))
+
+    shapes = sorted(tuple(m.weight.shape) for m in layer)
+    return kept(f"largest batch of rows through the C kernels (more: {layer[0].path})",
+                machine_key(layer[0].path, f"{threads} threads", shapes), timed)
