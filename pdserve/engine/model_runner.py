@@ -13,7 +13,6 @@ its group's table, and each step's metadata is built once per group (``GroupedMe
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 
 import torch
@@ -32,8 +31,6 @@ from pdserve.engine.model import LlamaForCausalLM
 from pdserve.engine.sampler import Sampler, token_logprobs
 from pdserve.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
 from pdserve.engine.spec_decode import rejection_sample
-
-log = logging.getLogger(__name__)
 
 PROMPT_LOGPROBS_SLICE_BYTES = 32 << 20
 
