@@ -42,6 +42,11 @@ class Linear(nn.Module):
     # in buckets of 16 by under 100 MiB, flat once each bucket was seen. The rows' outputs are bitwise
     # those of the unpadded call (benchmarks/onednn_shapes.py; tests/engine/test_cpu_isa.py).
     ROW_BUCKET = 16
+    # From 512 rows the buckets widen so that there are this many per doubling of the rows (32 rows
+    # wide from 512, 64 from 1,024, 128 from 2,048: at most 1/16 of a step's rows are padding). The
+    # start-up warm-up runs every bucket once: 2,048 tokens' 128 buckets of 16 took 4.7-6.8 s on a
+    # 2-core Xeon, these 64 buckets carry a third of the rows. 0: every bucket ROW_BUCKET wide.
+    BUCKETS_PER_DOUBLING = 16
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -51,6 +56,14 @@ class Linear(nn.Module):
         self.few_rows = 8  # up to this many rows, the C kernel (the model sets it: cpu_measured)
         self.path = "mkl"
         self._packed: tuple[torch.Tensor, tuple[int, int]] | None = None  # W in oneDNN's layout, and of which W
+
+    @classmethod
+    def padded_rows(cls, rows: int) -> int:
+        """The row count the oneDNN path computes for ``rows`` rows (the bucket's upper end)."""
+        step = cls.ROW_BUCKET
+        if cls.BUCKETS_PER_DOUBLING:
+            step = max(step, (1 << (rows.bit_length() - 1)) // cls.BUCKETS_PER_DOUBLING)
+        return -(-rows // step) * step
 
     def prepare_for_cpu(self, parts: int, kernels, path: str = "mkl", rows: int | None = None) -> None:
         """``rows``: up to how many rows the C kernel takes (None: keep the current count, 8 until the
@@ -83,7 +96,7 @@ class Linear(nn.Module):
         """``x W^T`` through the path for more than ``few_rows`` rows."""
         rows = x.shape[0]
         if self.path == "onednn" and not x.is_cuda:
-            pad = -rows % self.ROW_BUCKET if x.dim() == 2 else 0
+            pad = self.padded_rows(rows) - rows if x.dim() == 2 else 0
             if pad:
                 x = F.pad(x, (0, 0, 0, pad))
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), None, "none", [], "")
@@ -114,8 +127,7 @@ def warm_up_projections(model: nn.Module, max_rows: int, head_rows: int, progres
             if key not in plan or plan[key][1] < rows:
                 plan[key] = (module, rows)
     calls = [(module, rows) for module, most in plan.values()
-             for rows in range(Linear.ROW_BUCKET, most + Linear.ROW_BUCKET, Linear.ROW_BUCKET)
-             if rows > module.few_rows]
+             for rows in sorted({Linear.padded_rows(r) for r in range(module.few_rows + 1, most + 1)})]
     dtype = next((m.weight.dtype for m in model.modules() if isinstance(m, RMSNorm)), torch.float32)
     with torch.inference_mode():
         for module, rows in tqdm(calls, desc="building oneDNN kernels", unit="kernel", disable=not progress):

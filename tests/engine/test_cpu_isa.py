@@ -85,10 +85,31 @@ def test_the_onednn_path_pads_rows_to_its_buckets_and_each_row_is_bitwise_the_un
         return real(x, *args)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", recording)
-    for rows in (5, 15, 16, 17, 40, 130):
+    for rows in (5, 15, 16, 17, 40, 130, 600, 1100):
         x = torch.randn(rows, 96)
         y = layer(x)
         assert y.shape == (rows, 80) and y.is_contiguous()
         assert torch.equal(y, real(x, layer.packed_weight(), None, "none", [], ""))
         assert torch.allclose(y, x @ layer.weight.T, rtol=1e-4, atol=1e-4)
-    assert given == [16, 16, 16, 32, 48, 144]
+    assert given == [16, 16, 16, 32, 48, 144, 608, 1152]  # from 512 rows buckets widen: 32, then 64
+
+
+def test_the_warm_up_builds_the_bucket_of_every_row_count_a_step_can_bring(monkeypatch):
+    """Every row count from the C kernel's last to the token budget lands in a bucket the warm-up ran,
+    no bucket twice, and at most 1/16 of a padded step is padding."""
+    import torch
+
+    from pdserve.engine.model import Linear, warm_up_projections
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    budget = 2048
+    assert all(r <= Linear.padded_rows(r) <= max(r + 15, r * 17 // 16) for r in range(1, 3 * budget))
+    model = torch.nn.Sequential(Linear(8, 4))
+    model[0].prepare_for_cpu(1, None, "onednn", rows=3)
+    real, given = torch.ops.mkldnn._linear_pointwise, []
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: (given.append(x.shape[0]), real(x, *a))[1])
+    shapes, calls = warm_up_projections(model, budget, 64)
+    assert (shapes, calls) == (1, len(given)) and len(set(given)) == len(given)
+    assert {Linear.padded_rows(r) for r in range(4, budget + 1)} == set(given)
+    assert len(given) == 64  # 16 + 16 of 16 rows up to 512, 16 of 32 to 1,024, 16 of 64 to 2,048
