@@ -15,6 +15,11 @@ GGUF's Q4_1 blocks dequantised at load) and measures:
 - greedy agreement with float: --agree-tokens greedy tokens for each of the chat prompts below,
   the fraction of positions where the token equals float's, and how many outputs are identical.
 
+With ``--llamacpp-python PATH`` (the venv benchmarks/setup_llamacpp.sh builds), llama.cpp runs the
+same GGUF as shipped (Q4_1) on the same token ids, threads and decode lengths in its own process
+(benchmarks/llamacpp_decode.py), and adds a row: batch-1 decode, perplexity and greedy agreement
+(batch 16 is not measured there).
+
 Prints a markdown table, writes JSON and a PNG plot to --result-dir.
 """
 
@@ -53,7 +58,7 @@ def decode_tps(engine, batch: int, args, rep: int = 0) -> float:
 
     params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"b{batch}-{i}-{rep}", [100 + (7 * i + j) % 40000 for j in range(args.prompt_len)], params)
+        engine.add_request(f"b{batch}-{i}-{rep}", decode_prompt(i, args), params)
     counts, start = {}, None
     while engine.has_unfinished():
         for o in engine.step():
@@ -63,16 +68,27 @@ def decode_tps(engine, batch: int, args, rep: int = 0) -> float:
     return (sum(counts.values()) - first) / (time.perf_counter() - start)
 
 
+def decode_prompt(i: int, args) -> list[int]:
+    return [100 + (7 * i + j) % 40000 for j in range(args.prompt_len)]
+
+
+def ppl_windows(engine, args) -> list[list[int]]:
+    ids = engine.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)[: args.ppl_tokens]
+    return [ids[start : start + args.ppl_window + 1] for start in range(0, len(ids) - 1, args.ppl_window)]
+
+
+def chat_prompts(engine) -> list[list[int]]:
+    return [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in PROMPTS]
+
+
 def perplexity(engine, args) -> tuple[float, int]:
     """Through the engine as it serves (its attention backend and kernels): each window a prompt
     whose tokens' logprobs come back (``prompt_logprobs``)."""
     from pdserve.engine import SamplingParams
 
-    ids = engine.tokenizer.encode(TEXT.read_text(), add_special_tokens=False)[: args.ppl_tokens]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, args.ppl_window):
-        window = ids[start : start + args.ppl_window + 1]
+    for start, window in enumerate(ppl_windows(engine, args)):
         engine.add_request(f"ppl{start}", window, params)
         while engine.has_unfinished():
             for o in engine.step():
@@ -86,8 +102,8 @@ def greedy_outputs(engine, args) -> list[list[int]]:
     from pdserve.engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.agree_tokens, ignore_eos=True)
-    for i, q in enumerate(PROMPTS):
-        engine.add_request(f"g{i}", engine.tokenizer.encode_chat([{"role": "user", "content": q}]), params)
+    for i, ids in enumerate(chat_prompts(engine)):
+        engine.add_request(f"g{i}", ids, params)
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -119,9 +135,41 @@ def run_format(fmt: str, args) -> dict:
     bar.update()
     bar.set_description(f"{fmt}: greedy outputs")
     result["greedy"] = greedy_outputs(engine, args)
+    result["inputs"] = {"ppl_windows": ppl_windows(engine, args), "greedy_prompts": chat_prompts(engine)}
     bar.update()
     bar.close()
     return result
+
+
+def llamacpp(args, inputs: dict, threads: int) -> dict:
+    """llama.cpp on the GGUF as shipped, in the venv of ``--llamacpp-python``, on ``inputs`` (the
+    reference format's token ids)."""
+    import tempfile
+
+    from pdserve.engine.sources import resolve_model
+
+    source = resolve_model(args.model)
+    if source.kind != "gguf":
+        raise SystemExit(f"--llamacpp-python: {args.model} is not a GGUF model")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        cmd = [args.llamacpp_python, str(Path(__file__).parent / "llamacpp_decode.py"), str(spec), str(out)]
+        for extra_bufts in (True, False):
+            spec.write_text(json.dumps({"model": str(source.path), "threads": threads, "extra_bufts": extra_bufts,
+                                        "decode_prompt": decode_prompt(0, args), "decode_tokens": args.decode_tokens,
+                                        "repeats": args.repeats, "greedy_tokens": args.agree_tokens, **inputs}))
+            status = subprocess.run(cmd).returncode
+            if status == 0:
+                break
+            # AMX in a guest whose kernel does not grant the tile state: ggml_backend_amx_mul_mat
+            # segfaults (seen on a 2-core Xeon KVM guest). Without the extra buffer types it runs.
+            print(f"llama.cpp died (status {status}) with its extra buffer types (AMX / repacked weights); "
+                  f"measuring it without them", file=sys.stderr)
+        else:
+            raise SystemExit("llama.cpp failed with and without its extra buffer types")
+        result = json.loads(out.read_text())
+    kind = source.path.name.rsplit(".", 2)[-2] + ("" if result["extra_bufts"] else ", no extra buffer types")
+    return result | {"format": f"llama.cpp {result['version']} ({kind})", "decode_b16_tok_s": None}
 
 
 def child(fmt: str, args) -> dict:
@@ -145,10 +193,10 @@ def report(results: list[dict], args) -> list[dict]:
     rows = []
     for r in results:
         match, identical = agreement(ref["greedy"], r["greedy"])
-        rows.append({k: v for k, v in r.items() if k != "greedy"} | {
+        rows.append({k: v for k, v in r.items() if k not in ("greedy", "inputs")} | {
             "greedy_match": match, "identical_outputs": f"{identical}/{len(PROMPTS)}",
             "b1_vs_ref": r["decode_b1_tok_s"] / ref["decode_b1_tok_s"],
-            "b16_vs_ref": r["decode_b16_tok_s"] / ref["decode_b16_tok_s"],
+            "b16_vs_ref": None if r["decode_b16_tok_s"] is None else r["decode_b16_tok_s"] / ref["decode_b16_tok_s"],
         })
     print(f"\nCPU: {describe_cpu()}")
     print(f"model {args.model}, {ref['threads']} threads; decode: {args.prompt_len}-token prompts, "
@@ -160,7 +208,7 @@ def report(results: list[dict], args) -> list[dict]:
     print("| " + " | ".join(c for c, _ in cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
-        print("| " + " | ".join(f.format(r[c]) for c, f in cols) + " |")
+        print("| " + " | ".join("not measured" if r[c] is None else f.format(r[c]) for c, f in cols) + " |")
     return rows
 
 
@@ -175,7 +223,7 @@ def plot(rows: list[dict], path: Path) -> None:
                ("greedy_match", "greedy tokens equal to float")]
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.4 * len(metrics), 3.3))
     for ax, (key, title) in zip(axes, metrics):
-        ax.bar([r["format"] for r in rows], [r[key] for r in rows], color="tab:blue")
+        ax.bar([r["format"] for r in rows], [r[key] or 0 for r in rows], color="tab:blue")
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=8)
     fig.tight_layout()
@@ -197,6 +245,9 @@ def main() -> None:
     p.add_argument("--ppl-window", type=int, default=512, help="context window of the perplexity pass (default: 512)")
     p.add_argument("--agree-tokens", type=int, default=16, help="greedy tokens per prompt compared (default: 16)")
     p.add_argument("--result-dir", default="bench-results", help="where JSON and PNG go (default: bench-results)")
+    p.add_argument("--llamacpp-python", default=None,
+                   help="the python of llama.cpp's venv (benchmarks/setup_llamacpp.sh builds .llamacpp-venv): adds "
+                        "llama.cpp on the GGUF as shipped, same token ids and threads (default: not run)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -209,6 +260,8 @@ def main() -> None:
         p.error(f"--formats: unknown {unknown}; choose among {list(QUANTIZATION)}")
     t = time.time()
     results = [child(fmt, args) for fmt in formats]
+    if args.llamacpp_python:
+        results.append(llamacpp(args, results[0]["inputs"], results[0]["threads"]))
     rows = report(results, args)
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)

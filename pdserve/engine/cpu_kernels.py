@@ -1,5 +1,5 @@
-"""The C kernels of ``csrc/`` (``cpu_kernels.c``, ``cpu_attention.c``): compiled once per machine into one
-library on first use, loaded through ctypes.
+"""The C kernels of ``csrc/`` (``cpu_kernels.c``, ``cpu_attention.c``, ``cpu_gguf.c``): compiled once
+per machine into one library on first use, loaded through ctypes.
 
 The shared object is cached under ``$PDSERVE_CACHE_DIR`` (default ``~/.cache/pdserve``), keyed
 by the sources, the compiler flags and the CPU's vector extensions. No compiler, or a failed
@@ -22,7 +22,10 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.c", "cpu_attention.c")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_gguf.c")]
+
+
+GGUF_KERNEL_TYPES = ("q8_0", "q4_0", "q4_1")  # GGML types cpu_gguf.c multiplies from their blocks
 
 
 def _cpu_flags() -> list[str]:
@@ -34,7 +37,7 @@ def _cpu_flags() -> list[str]:
     level = ORDER.index(isa) if isa in ORDER else 0
     chosen = []
     if level >= ORDER.index("avx2"):
-        chosen += ["-mavx2", "-mfma"]
+        chosen += ["-mavx2", "-mfma", "-mf16c"]  # (every AVX2 processor has F16C)
     if level >= ORDER.index("avx512"):
         chosen += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mprefer-vector-width=512"]
     if level >= ORDER.index("avx512_bf16"):
@@ -94,6 +97,7 @@ def load_kernels() -> ctypes.CDLL | None:
         "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32, i64],
         "paged_attention_f32_fits": [i64] * 4,
         "paged_prefill_bf16_products": [],
+        **{f"gguf_gemm_{t}": [ptr] * 3 + [i64] * 4 for t in GGUF_KERNEL_TYPES},
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -283,3 +287,13 @@ class HeapBound:
 def resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def gguf_gemm(lib: ctypes.CDLL, ggml_type: str, blocks: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = x @ W^T`` with W given as a GGUF tensor's raw blocks (``blocks``: uint8 ``[n, bytes a
+    row]``; ``ggml_type`` one of ``GGUF_KERNEL_TYPES``); ``x`` float32 ``[m, k]`` contiguous, ``out`` a
+    float32 ``[m, n]`` view whose rows may be longer (a fused projection's columns)."""
+    m, k = x.shape
+    assert out.shape == (m, blocks.shape[0]) and out.stride(1) == 1 and x.is_contiguous() and blocks.is_contiguous()
+    getattr(lib, f"gguf_gemm_{ggml_type}")(blocks.data_ptr(), x.data_ptr(), out.data_ptr(), blocks.shape[0], k, m,
+                                           out.stride(0))

@@ -288,10 +288,14 @@ class LlamaForCausalLM(nn.Module):
         ``cpu_isa``) and use the C kernels for norms and SwiGLU where they can be built; call
         once after loading."""
         # the activations' dtype (the norms'): a bf16 embedding table under float32 activations still takes them
+        from pdserve.engine.quant.formats import QuantLinear
+
         kernels = cpu_kernels.load_kernels() if self.norm.weight.dtype == torch.float32 else None
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare_for_cpu(threads, kernels, linear_path)
+            elif isinstance(module, QuantLinear):  # (GGUF blocks multiply through kernels of their own)
+                module.prepare_for_cpu(threads, kernels)
             elif isinstance(module, (RMSNorm, MLP)):
                 module.kernels = kernels
         if self.config.tie_word_embeddings and isinstance(self.lm_head, Linear):  # (a bf16 head has its own copy)

@@ -175,6 +175,34 @@ def test_gguf_blocks_dequantise_as_the_gguf_library_does():
         np.testing.assert_allclose(got.numpy(), dequantize(blocks, qtype), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_gguf_blocks_multiply_through_the_c_kernels_as_their_dequantised_weight(rows):
+    """A fused projection of Q8_0, Q4_0, Q4_1 and F16 segments (F16 has no kernel: dequantised),
+    multiplied from its blocks for a few rows, equals x @ W^T of the dequantised weight, each segment
+    writing its own columns."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    from pdserve.engine import cpu_kernels
+    from pdserve.engine.quant.gguf_native import GGUFLinear, Segment
+
+    lib = cpu_kernels.load_kernels()
+    if lib is None:
+        pytest.skip("no C compiler here")
+    rng = np.random.default_rng(rows)
+    segments = []
+    for qtype, n in ((Q.Q4_1, 40), (Q.Q8_0, 24), (Q.F16, 8), (Q.Q4_0, 36)):
+        w = rng.standard_normal((n, 96)).astype(np.float32)
+        segments.append(Segment(qtype, torch.from_numpy(quantize(w, qtype).view(np.uint8).reshape(n, -1).copy()), n))
+    layer = GGUFLinear(segments, 96)
+    layer.prepare_for_cpu(1, lib)
+    x = torch.from_numpy(rng.standard_normal((rows, 96)).astype(np.float32))
+    want = x @ layer.dequantize().T
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+    layer.prepare_for_cpu(1, None)  # no kernels: the dequantised path, the same product
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+
+
 def test_gguf_k_quant_and_q5_0_blocks_dequantise_bit_for_bit_as_the_gguf_library_does():
     """Gemma 3 270M's Q4_K_M file mixes Q5_0, Q4_K, Q6_K and Q8_0: random blocks (their f16 scales
     made finite) give exactly what gguf.quants gives, float32 bit for bit."""
@@ -258,6 +286,7 @@ def test_gguf_native_matches_the_dequantised_load(default_model):
     """The default model's Q4_1 blocks kept as they are give the dequantised load's greedy tokens."""
     native = load_model(progress=False, quantization="gguf")
     assert all(type(m).__name__ == "GGUFLinear" for n, m in native.model.named_modules() if n.endswith("_proj"))
+    assert [t.name for t in native.model.lm_head.types] == ["Q8_0"]  # the file's own head (its tied token_embd)
     assert weight_bytes(native.model) < 0.6 * weight_bytes(default_model.model)
     params = SamplingParams(temperature=0, max_tokens=12)
     prompt = default_model.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])

@@ -2,7 +2,9 @@
 
 ``quantize_model`` swaps each decoder layer's projections (qkv, o, gate_up, down) for a
 quantized drop-in of ``model.Linear`` after the float model is loaded. The embedding and the
-output head stay float (tied in the default model: quantising the head would keep two copies).
+output head stay float (tied in the default model: quantising the head would keep two copies),
+except under ``bf16`` (one bfloat16 table for both) and ``gguf`` on CPU (the head multiplies from
+the file's own Q8_0/Q4 table; the embedding lookup keeps the float one).
 
 | method | what | module |
 |---|---|---|
@@ -10,7 +12,7 @@ output head stay float (tied in the default model: quantising the head would kee
 | ``int4`` | 4-bit, one scale and zero per ``quantization_group_size`` inputs | ``formats.Int4Linear`` |
 | ``awq`` | int4 after AWQ's activation-aware input scaling, calibrated at load | ``awq`` + ``Int4Linear`` |
 | ``fp8`` | float8 e4m3 weights and activations (CUDA GPUs with FP8 only) | ``formats.Fp8Linear`` |
-| ``gguf`` | a GGUF file's own quantized blocks, dequantised per matmul | ``gguf_native.GGUFLinear`` |
+| ``gguf`` | a GGUF file's own blocks: decode multiplies from them, prefill dequantises | ``gguf_native.GGUFLinear`` |
 | ``bf16`` | bfloat16 weights (output head and embedding too), float32 activations | ``formats.BF16Linear`` |
 """
 
@@ -81,11 +83,14 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
         model.bf16_matmuls = True
         return
     if method == "gguf":
-        from pdserve.engine.quant.gguf_native import gguf_linears
+        from pdserve.engine.quant.gguf_native import gguf_head, gguf_linears
 
         device = model.embed_tokens.weight.device
         for name, linear in gguf_linears(gguf_path, model.config).items():
             _swap(model, name, linear.to(device))
+        head = gguf_head(gguf_path) if device.type == "cpu" and model.config.architecture == "llama" else None
+        if head is not None:  # the embedding lookup keeps the float table
+            _swap(model, "lm_head", head)
         return
 
     def group_of(in_features: int) -> int:

@@ -5,8 +5,9 @@ row segments, each with its own GGML type: files mix types (Q4_K_M keeps attn_v 
 in Q6_K). Q8_0, Q4_0, Q4_1 (the default model's), Q5_0, Q4_K and Q6_K (Gemma 3 270M's Q4_K_M)
 dequantise with torch ops, each the same float32 arithmetic as ``gguf.quants`` (so the weights are
 bit for bit those the float path loads); other types go through ``gguf.quants`` (numpy, slower).
-Embeddings, norms and the output head stay float. Gemma 3 files keep q/k rows in rotate-half
-order: those segments' rows are permuted to ours (a row permutation of whole block rows).
+Embeddings and norms stay float; the output head too, except on CPU where the file's head (or tied
+token_embd) is Q8_0/Q4_0/Q4_1 (``gguf_head``: decode multiplies from those blocks). Gemma 3 files
+keep q/k rows in rotate-half order: those segments' rows are permuted to ours (a row permutation of whole block rows).
 
 Block layouts (32 weights a block, all little-endian)::
 
@@ -112,19 +113,48 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 class GGUFLinear(QuantLinear):
+    """A projection as the file stores it: one segment of blocks per GGUF tensor it fuses.
+
+    On CPU with the C kernels (``cpu_gguf.c``), up to ``FEW_ROWS`` float32 rows (decode steps)
+    multiply straight from the Q8_0 / Q4_0 / Q4_1 blocks: each weight is read as its 4.5-8.5 bits,
+    never dequantised to memory. Other types, more rows, or no kernels: the segment is dequantised
+    per matmul and multiplied in float32.
+    """
+
+    FEW_ROWS = 64
+
     def __init__(self, segments: list[Segment], in_features: int):
         super().__init__(sum(s.rows for s in segments), in_features)
         self.types = [s.ggml_type for s in segments]
         self.rows = [s.rows for s in segments]
+        self.kernels = None  # the C kernels, set by prepare_for_cpu
         for i, s in enumerate(segments):
             self.register_buffer(f"blocks{i}", s.blocks)
+
+    def prepare_for_cpu(self, parts: int, kernels) -> None:
+        self.kernels = kernels
 
     def dequantize(self) -> torch.Tensor:
         parts = [dequantize_blocks(t, getattr(self, f"blocks{i}"), self.in_features) for i, t in enumerate(self.types)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantize().to(x.dtype))
+        if (self.kernels is None or x.dim() != 2 or x.shape[0] > self.FEW_ROWS or x.dtype != torch.float32
+                or x.is_cuda):
+            return F.linear(x, self.dequantize().to(x.dtype))
+        from pdserve.engine import cpu_kernels
+
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features)
+        start = 0
+        for i, (ggml_type, rows) in enumerate(zip(self.types, self.rows)):
+            blocks, part = getattr(self, f"blocks{i}"), out[:, start : start + rows]
+            if ggml_type.name.lower() in cpu_kernels.GGUF_KERNEL_TYPES:
+                cpu_kernels.gguf_gemm(self.kernels, ggml_type.name.lower(), blocks, x, part)
+            else:
+                part.copy_(F.linear(x, dequantize_blocks(ggml_type, blocks, self.in_features)))
+            start += rows
+        return out
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", types=" + "|".join(t.name for t in self.types)
@@ -144,6 +174,22 @@ FUSED = {
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
     "mlp.down_proj": ("ffn_down",),
 }
+
+
+def gguf_head(path: Path) -> GGUFLinear | None:
+    """The output head from the file's own blocks (``output.weight``, else the tied
+    ``token_embd.weight``) when their type has a C kernel (decode multiplies every token by the
+    whole head: SmolLM2's Q8_0 table is 30 MiB against 108 in float32); else None (a float head)."""
+    from pdserve.engine.cpu_kernels import GGUF_KERNEL_TYPES
+
+    gguf = GGUFFile(path)
+    name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+    if name not in gguf.tensors:
+        return None
+    if GGMLQuantizationType(gguf.tensors[name].ggml_type).name.lower() not in GGUF_KERNEL_TYPES:
+        return None
+    segment = read_segment(gguf, np.memmap(path, mode="r", dtype=np.uint8), name)
+    return GGUFLinear([segment], gguf.tensors[name].shape[-1])
 
 
 def gguf_linears(path: Path, config) -> dict[str, GGUFLinear]:
