@@ -265,7 +265,8 @@ def main() -> None:
     rows = report(results, args)
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "quantization.json").write_text(json.dumps({"args": vars(args), "rows": rows, "raw": results}, indent=2))
+    raw = [{k: v for k, v in r.items() if k != "inputs"} for r in results]  # (not the token ids)
+    (out / "quantization.json").write_text(json.dumps({"args": vars(args), "rows": rows, "raw": raw}, indent=2))
     plot(rows, out / "quantization.png")
     print(f"\nwrote {out / 'quantization.json'} and {out / 'quantization.png'} ({time.time() - t:.0f} s)")
 

@@ -23,7 +23,7 @@
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h); /* one instruction: the scalar version below took a tenth of a block's time */
+    return _cvtsh_ss(h); /* one instruction (vcvtph2ps) */
 }
 #else
 static inline float f16_to_f32(const uint8_t *p) {

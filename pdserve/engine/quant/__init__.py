@@ -83,14 +83,14 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
         model.bf16_matmuls = True
         return
     if method == "gguf":
-        from pdserve.engine.quant.gguf_native import gguf_head, gguf_linears
+        from pdserve.engine.quant.gguf_native import gguf_linears
 
         device = model.embed_tokens.weight.device
-        for name, linear in gguf_linears(gguf_path, model.config).items():
+        # The head from the file's blocks on CPU (its kernels; the embedding lookup keeps the float
+        # table); Gemma 3's head stays float (not measured with them).
+        head = device.type == "cpu" and model.config.architecture == "llama"
+        for name, linear in gguf_linears(gguf_path, model.config, head).items():
             _swap(model, name, linear.to(device))
-        head = gguf_head(gguf_path) if device.type == "cpu" and model.config.architecture == "llama" else None
-        if head is not None:  # the embedding lookup keeps the float table
-            _swap(model, "lm_head", head)
         return
 
     def group_of(in_features: int) -> int:

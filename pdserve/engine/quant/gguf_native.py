@@ -6,7 +6,7 @@ in Q6_K). Q8_0, Q4_0, Q4_1 (the default model's), Q5_0, Q4_K and Q6_K (Gemma 3 2
 dequantise with torch ops, each the same float32 arithmetic as ``gguf.quants`` (so the weights are
 bit for bit those the float path loads); other types go through ``gguf.quants`` (numpy, slower).
 Embeddings and norms stay float; the output head too, except on CPU where the file's head (or tied
-token_embd) is Q8_0/Q4_0/Q4_1 (``gguf_head``: decode multiplies from those blocks). Gemma 3 files
+token_embd) is Q8_0/Q4_0/Q4_1 (``gguf_linears(head=True)``: decode multiplies from those blocks). Gemma 3 files
 keep q/k rows in rotate-half order: those segments' rows are permuted to ours (a row permutation of whole block rows).
 
 Block layouts (32 weights a block, all little-endian)::
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as np_dequantize
 
+from pdserve.engine import cpu_kernels
 from pdserve.engine.gguf_file import GGUFFile
 from pdserve.engine.quant.formats import QuantLinear
 
@@ -128,8 +129,14 @@ class GGUFLinear(QuantLinear):
         self.types = [s.ggml_type for s in segments]
         self.rows = [s.rows for s in segments]
         self.kernels = None  # the C kernels, set by prepare_for_cpu
+        # Per segment, worked out once for the matmuls: (its buffer's name, its kernel's GGML type
+        # name or None, its first output column).
+        self._segments, start = [], 0
         for i, s in enumerate(segments):
             self.register_buffer(f"blocks{i}", s.blocks)
+            kernel = s.ggml_type.name.lower()
+            self._segments.append((f"blocks{i}", kernel if kernel in cpu_kernels.GGUF_KERNEL_TYPES else None, start))
+            start += s.rows
 
     def prepare_for_cpu(self, parts: int, kernels) -> None:
         self.kernels = kernels
@@ -142,18 +149,14 @@ class GGUFLinear(QuantLinear):
         if (self.kernels is None or x.dim() != 2 or x.shape[0] > self.FEW_ROWS or x.dtype != torch.float32
                 or x.is_cuda):
             return F.linear(x, self.dequantize().to(x.dtype))
-        from pdserve.engine import cpu_kernels
-
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features)
-        start = 0
-        for i, (ggml_type, rows) in enumerate(zip(self.types, self.rows)):
-            blocks, part = getattr(self, f"blocks{i}"), out[:, start : start + rows]
-            if ggml_type.name.lower() in cpu_kernels.GGUF_KERNEL_TYPES:
-                cpu_kernels.gguf_gemm(self.kernels, ggml_type.name.lower(), blocks, x, part)
+        for (buffer, kernel, start), ggml_type, rows in zip(self._segments, self.types, self.rows):
+            blocks, part = getattr(self, buffer), out[:, start : start + rows]
+            if kernel is not None:
+                cpu_kernels.gguf_gemm(self.kernels, kernel, blocks, x, part)
             else:
                 part.copy_(F.linear(x, dequantize_blocks(ggml_type, blocks, self.in_features)))
-            start += rows
         return out
 
     def extra_repr(self) -> str:
@@ -176,31 +179,22 @@ FUSED = {
 }
 
 
-def gguf_head(path: Path) -> GGUFLinear | None:
-    """The output head from the file's own blocks (``output.weight``, else the tied
-    ``token_embd.weight``) when their type has a C kernel (decode multiplies every token by the
-    whole head: SmolLM2's Q8_0 table is 30 MiB against 108 in float32); else None (a float head)."""
-    from pdserve.engine.cpu_kernels import GGUF_KERNEL_TYPES
-
-    gguf = GGUFFile(path)
-    name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
-    if name not in gguf.tensors:
-        return None
-    if GGMLQuantizationType(gguf.tensors[name].ggml_type).name.lower() not in GGUF_KERNEL_TYPES:
-        return None
-    segment = read_segment(gguf, np.memmap(path, mode="r", dtype=np.uint8), name)
-    return GGUFLinear([segment], gguf.tensors[name].shape[-1])
-
-
-def gguf_linears(path: Path, config) -> dict[str, GGUFLinear]:
+def gguf_linears(path: Path, config, head: bool = False) -> dict[str, GGUFLinear]:
     """Our layer Linear names (``layers.3.mlp.down_proj``) -> their GGUF-native replacements, for a
-    model of ``config`` (a ModelConfig: Llama, or Gemma 3 whose q/k rows are reordered)."""
+    model of ``config`` (a ModelConfig: Llama, or Gemma 3 whose q/k rows are reordered). With
+    ``head``, also ``lm_head`` from the file's own blocks (``output.weight``, else the tied
+    ``token_embd.weight``) when their type has a C kernel: decode multiplies every token by the whole
+    head, and SmolLM2's Q8_0 table is 30 MiB against 108 in float32."""
     from pdserve.engine.loader import interleave_rope_rows
 
     gguf = GGUFFile(path)
     blob = np.memmap(path, mode="r", dtype=np.uint8)
-    heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads} if config.architecture == "gemma3" else {}
     out = {}
+    name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+    if (head and name in gguf.tensors
+            and GGMLQuantizationType(gguf.tensors[name].ggml_type).name.lower() in cpu_kernels.GGUF_KERNEL_TYPES):
+        out["lm_head"] = GGUFLinear([read_segment(gguf, blob, name)], gguf.tensors[name].shape[-1])
+    heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads} if config.architecture == "gemma3" else {}
     for i in range(config.num_layers):
         for ours, theirs in FUSED.items():
             segments = [read_segment(gguf, blob, f"blk.{i}.{name}.weight") for name in theirs]
