@@ -61,8 +61,9 @@ def load_model(
     del weights  # the float copies go before the quantized ones are built
     quantize_model(model, quantization, quantization_group_size, source.path, tokenizer)
     if next(model.parameters()).device.type == "cpu":
-        if linear_path != "mkl":
-            model.prepare_for_cpu(torch.get_num_threads(), linear_path)  # after quantization: only float layers
+        # Again after quantization (build_model prepared the float layers for "mkl"): the path's
+        # packing for the float layers left, the kernels for the quantized ones (gguf's blocks).
+        model.prepare_for_cpu(torch.get_num_threads(), linear_path)
         model.choose_few_rows(torch.get_num_threads())
     fingerprint = _fingerprint(source, cfg, seed, f"{quantization}/{quantization_group_size}")
     return LoadedModel(model, tokenizer, cfg, source, time.perf_counter() - start, fingerprint)

@@ -203,6 +203,22 @@ def test_gguf_blocks_multiply_through_the_c_kernels_as_their_dequantised_weight(
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("linear_path", ["mkl", "onednn"])
+def test_gguf_layers_get_the_c_kernels_whatever_the_float_path(linear_path):
+    """The quantized layers are prepared after quantization on either float path (on "mkl" they
+    were left without kernels: every decode step dequantised)."""
+    from pdserve.engine import cpu_kernels
+    from pdserve.engine.quant.gguf_native import GGUFLinear
+
+    if cpu_kernels.load_kernels() is None:
+        pytest.skip("no C compiler here")
+    if linear_path == "onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    model = load_model(progress=False, quantization="gguf", linear_path=linear_path).model
+    layers = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    assert layers and all(m.kernels is not None for m in layers)
+
+
 def test_gguf_k_quant_and_q5_0_blocks_dequantise_bit_for_bit_as_the_gguf_library_does():
     """Gemma 3 270M's Q4_K_M file mixes Q5_0, Q4_K, Q6_K and Q8_0: random blocks (their f16 scales
     made finite) give exactly what gguf.quants gives, float32 bit for bit."""
