@@ -1,4 +1,4 @@
-"""The C kernels of ``csrc/`` (``cpu_kernels.c``, ``cpu_attention.c``, ``cpu_gguf.c``): compiled once
+"""The C kernels of ``csrc/`` (``cpu_kernels.c``, ``cpu_attention.c``, ``cpu_gguf.c``, ``cpu_qdot.c``): compiled once
 per machine into one library on first use, loaded through ctypes.
 
 The shared object is cached under ``$PDSERVE_CACHE_DIR`` (default ``~/.cache/pdserve``), keyed
@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_gguf.c")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_gguf.c",
+                                                                   "cpu_qdot.c")]
 
 
 GGUF_KERNEL_TYPES = ("q8_0", "q4_0", "q4_1")  # GGML types cpu_gguf.c multiplies from their blocks
@@ -31,7 +32,7 @@ GGUF_KERNEL_TYPES = ("q8_0", "q4_0", "q4_1")  # GGML types cpu_gguf.c multiplies
 def _cpu_flags() -> list[str]:
     """Compiler flags for the ISA the engine computes with (cpu_isa.py; the processor's best
     unless capped through ``PDSERVE_CPU_ISA``)."""
-    from pdserve.engine.cpu_isa import ORDER, active_isa
+    from pdserve.engine.cpu_isa import ORDER, active_isa, cpu_flags
 
     isa = active_isa()
     level = ORDER.index(isa) if isa in ORDER else 0
@@ -40,6 +41,8 @@ def _cpu_flags() -> list[str]:
         chosen += ["-mavx2", "-mfma", "-mf16c"]  # (every AVX2 processor has F16C)
     if level >= ORDER.index("avx512"):
         chosen += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mprefer-vector-width=512"]
+        if "avx512_vnni" in cpu_flags():  # int8 dot products: cpu_qdot.c
+            chosen += ["-mavx512vnni"]
     if level >= ORDER.index("avx512_bf16"):
         chosen += ["-mavx512bf16"]
     return chosen
@@ -98,11 +101,15 @@ def load_kernels() -> ctypes.CDLL | None:
         "paged_attention_f32_fits": [i64] * 4,
         "paged_prefill_bf16_products": [],
         **{f"gguf_gemm_{t}": [ptr] * 3 + [i64] * 4 for t in GGUF_KERNEL_TYPES},
+        "qdot_gemm_q4": [ptr] * 3 + [i64] * 4,
+        "qdot_gemm_q8": [ptr] * 3 + [i64] * 4,
+        "qdot_available": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
-    for name in ("paged_decode_f32", "paged_prefill_f32", "paged_attention_f32_fits", "paged_prefill_bf16_products"):
+    for name in ("paged_decode_f32", "paged_prefill_f32", "paged_attention_f32_fits", "paged_prefill_bf16_products",
+                 "qdot_available", "qdot_gemm_q4", "qdot_gemm_q8"):
         getattr(lib, name).restype = ctypes.c_int
     return lib
 
@@ -297,3 +304,15 @@ def gguf_gemm(lib: ctypes.CDLL, ggml_type: str, blocks: torch.Tensor, x: torch.T
     assert out.shape == (m, blocks.shape[0]) and out.stride(1) == 1 and x.is_contiguous() and blocks.is_contiguous()
     getattr(lib, f"gguf_gemm_{ggml_type}")(blocks.data_ptr(), x.data_ptr(), out.data_ptr(), blocks.shape[0], k, m,
                                            out.stride(0))
+
+
+def qdot_gemm(lib: ctypes.CDLL, bits: int, tiles: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = x @ W^T`` in int8 dot products (``cpu_qdot.c``; only where ``lib.qdot_available()``):
+    ``tiles`` W packed by ``quant.qdot`` (``bits`` 4 or 8), ``x`` float32 ``[m, k]`` contiguous,
+    rounded to int8 per 32 inputs by the kernel; ``out`` float32 ``[m, n]`` with unit column stride."""
+    m, k = x.shape
+    n = out.shape[1]
+    assert out.shape[0] == m and out.stride(1) == 1 and x.is_contiguous() and n % 16 == 0 and k % 32 == 0
+    kernel = lib.qdot_gemm_q4 if bits == 4 else lib.qdot_gemm_q8
+    if kernel(tiles.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, m, out.stride(0)):
+        raise MemoryError(f"qdot_gemm: no memory for the int8 copy of x ({m} x {k})")

@@ -27,6 +27,7 @@ from pdserve.engine.quant.formats import (
     quantize_fp8,
     quantize_int4,
 )
+from pdserve.engine.quant.gguf_native import GGUFLinear
 from tests.conftest import assert_no_leaks, run_to_completion
 
 
@@ -184,7 +185,7 @@ def test_gguf_blocks_multiply_through_the_c_kernels_as_their_dequantised_weight(
     from gguf.quants import quantize
 
     from pdserve.engine import cpu_kernels
-    from pdserve.engine.quant.gguf_native import GGUFLinear, Segment
+    from pdserve.engine.quant.gguf_native import Segment
 
     lib = cpu_kernels.load_kernels()
     if lib is None:
@@ -208,7 +209,6 @@ def test_gguf_layers_get_the_c_kernels_whatever_the_float_path(linear_path):
     """The quantized layers are prepared after quantization on either float path (on "mkl" they
     were left without kernels: every decode step dequantised)."""
     from pdserve.engine import cpu_kernels
-    from pdserve.engine.quant.gguf_native import GGUFLinear
 
     if cpu_kernels.load_kernels() is None:
         pytest.skip("no C compiler here")
@@ -253,13 +253,38 @@ def float_tiny():
 def test_tiny_model_quantized_logits_close_to_float(float_tiny, method, bound):
     quant = load_model("random:tiny", progress=False, seed=3, quantization=method)
     layers = [m for m in quant.model.modules() if isinstance(m, QuantLinear)]
-    assert len(layers) == 4 * quant.config.num_layers + (method == "bf16")  # bf16: the output head too
-    assert weight_bytes(quant.model) < weight_bytes(float_tiny.model)
+    assert len(layers) == 4 * quant.config.num_layers + 1  # the output head too
+    # (the tiny model is mostly its embedding, which the Q8_0 head adds to: compare the layers)
+    assert weight_bytes(quant.model.layers) < weight_bytes(float_tiny.model.layers)
     assert quant.fingerprint != float_tiny.fingerprint  # quantized KV must not be mixed with float KV
     ids = torch.tensor(float_tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4))
     want, got = full_forward(float_tiny.model, ids), full_forward(quant.model, ids)
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < bound
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "awq"])
+def test_weight_only_methods_multiply_the_head_from_q8_0_blocks(float_tiny, method):
+    """On CPU the head is Q8_0 blocks; the tied embedding looks up the same weights dequantised, and
+    the head multiplies by that table past FEW_ROWS rows, so a row's logits do not depend on how many
+    rows share the step."""
+    quant = load_model("random:tiny", progress=False, seed=3, quantization=method)
+    head = quant.model.lm_head
+    assert isinstance(head, GGUFLinear) and [t.name for t in head.types] == ["Q8_0"]
+    assert head.kernels is not None  # prepare_for_cpu gave it the C kernels
+    assert quant.model.embed_tokens.weight.data_ptr() == head.dense.data_ptr()
+    assert torch.equal(head.dense, head.dequantize())
+    float_head = float_tiny.model.lm_head.weight
+    assert rel_err(head.dense, float_head) < 0.01  # Q8_0: 8 bits and a scale per 32 weights
+    x = torch.randn(GGUFLinear.FEW_ROWS + 1, float_head.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        few, many = head(x[:3]), head(x)
+    if head.qdot_kernels is not None:  # int8 dot products (AVX-512 VNNI): every row count, row by row
+        assert torch.equal(few, many[:3])
+        assert rel_err(many, x @ head.dense.T) < 1e-4  # x in two int8 parts: ~15 bits
+    else:
+        assert torch.allclose(few, many[:3], rtol=1e-4, atol=1e-5)
+        assert torch.allclose(many, x @ head.dense.T, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["int4", "bf16"])

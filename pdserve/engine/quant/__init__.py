@@ -1,10 +1,13 @@
 """Weight-only quantization, chosen by ``EngineConfig.quantization`` (vLLM's ``--quantization``).
 
 ``quantize_model`` swaps each decoder layer's projections (qkv, o, gate_up, down) for a
-quantized drop-in of ``model.Linear`` after the float model is loaded. The embedding and the
-output head stay float (tied in the default model: quantising the head would keep two copies),
-except under ``bf16`` (one bfloat16 table for both) and ``gguf`` on CPU (the head multiplies from
-the file's own Q8_0/Q4 table; the embedding lookup keeps the float one).
+quantized drop-in of ``model.Linear`` after the float model is loaded. The embedding stays float.
+The output head is read whole at every decode step (in the default model 108 MiB of float32
+against 62 MiB of int4 layers), so it is quantized too: under ``bf16`` to one bfloat16 table
+shared with the embedding; on CPU (Llama models), under ``gguf`` it multiplies from the file's own
+Q8_0/Q4 table and under ``int8``, ``int4`` and ``awq`` from Q8_0 blocks made at load (30 MiB; the
+C kernels of ``cpu_gguf.c``), the tied embedding looking up the same weights dequantised
+(``gguf_native.use_block_head``).
 
 | method | what | module |
 |---|---|---|
@@ -83,13 +86,13 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
         model.bf16_matmuls = True
         return
     if method == "gguf":
-        from pdserve.engine.quant.gguf_native import gguf_linears
+        from pdserve.engine.quant.gguf_native import gguf_linears, use_block_head
 
+        linears = gguf_linears(gguf_path, model.config, _block_head(model))
+        if "lm_head" in linears:
+            use_block_head(model, linears.pop("lm_head"))
         device = model.embed_tokens.weight.device
-        # The head from the file's blocks on CPU (its kernels; the embedding lookup keeps the float
-        # table); Gemma 3's head stays float (not measured with them).
-        head = device.type == "cpu" and model.config.architecture == "llama"
-        for name, linear in gguf_linears(gguf_path, model.config, head).items():
+        for name, linear in linears.items():
             _swap(model, name, linear.to(device))
         return
 
@@ -124,6 +127,16 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
             if name in input_scales:
                 new.set_input_scale(input_scales[name])
             _swap(model, name, new)
+    if method != "fp8" and _block_head(model):
+        from pdserve.engine.quant.gguf_native import q8_0_head, use_block_head
+
+        use_block_head(model, q8_0_head(model.lm_head.weight))
+
+
+def _block_head(model) -> bool:
+    """Whether the output head multiplies from GGUF blocks: on CPU, where their C kernels are;
+    Gemma 3's head stays float (not measured with them)."""
+    return model.embed_tokens.weight.device.type == "cpu" and model.config.architecture == "llama"
 
 
 def _swap(model, name: str, new: torch.nn.Module) -> None:

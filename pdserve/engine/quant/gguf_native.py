@@ -6,7 +6,8 @@ in Q6_K). Q8_0, Q4_0, Q4_1 (the default model's), Q5_0, Q4_K and Q6_K (Gemma 3 2
 dequantise with torch ops, each the same float32 arithmetic as ``gguf.quants`` (so the weights are
 bit for bit those the float path loads); other types go through ``gguf.quants`` (numpy, slower).
 Embeddings and norms stay float; the output head too, except on CPU where the file's head (or tied
-token_embd) is Q8_0/Q4_0/Q4_1 (``gguf_linears(head=True)``: decode multiplies from those blocks). Gemma 3 files
+token_embd) is Q8_0/Q4_0/Q4_1 (``gguf_linears(head=True)``: decode multiplies from those blocks;
+``q8_0_head`` makes such a head from a float one for the other weight-only methods). Gemma 3 files
 keep q/k rows in rotate-half order: those segments' rows are permuted to ours (a row permutation of whole block rows).
 
 Block layouts (32 weights a block, all little-endian)::
@@ -34,9 +35,11 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as np_dequantize
+from gguf.quants import quantize as np_quantize
 
 from pdserve.engine import cpu_kernels
 from pdserve.engine.gguf_file import GGUFFile
+from pdserve.engine.quant import qdot
 from pdserve.engine.quant.formats import QuantLinear
 
 Q = GGMLQuantizationType
@@ -119,13 +122,23 @@ class GGUFLinear(QuantLinear):
     On CPU with the C kernels (``cpu_gguf.c``), up to ``FEW_ROWS`` float32 rows (decode steps)
     multiply straight from the Q8_0 / Q4_0 / Q4_1 blocks: each weight is read as its 4.5-8.5 bits,
     never dequantised to memory. Other types, more rows, or no kernels: the segment is dequantised
-    per matmul and multiplied in float32.
+    per matmul and multiplied in float32, or, given ``dense`` (the output head: its float32 table
+    kept for the embedding lookup, equal to the dequantised blocks), multiplied by that table.
+
+    With ``int8_activations`` (the head ``q8_0_head`` makes for the other weight-only methods) and
+    int8 dot products in the kernels (``cpu_qdot.c``), a single Q8_0 segment moves to their layout
+    and every row count multiplies there, x rounded to int8 per 32 inputs (``dense`` then stands for
+    the blocks).
     """
 
     FEW_ROWS = 64
 
-    def __init__(self, segments: list[Segment], in_features: int):
+    def __init__(self, segments: list[Segment], in_features: int, dense: torch.Tensor | None = None,
+                 int8_activations: bool = False):
         super().__init__(sum(s.rows for s in segments), in_features)
+        self.dense = dense  # not a buffer: the embedding's parameter when tied, moved and counted there
+        self.int8_activations = int8_activations
+        self.qdot_kernels = None  # set by prepare_for_cpu when blocks0 holds qdot.pack_q8's tiles
         self.types = [s.ggml_type for s in segments]
         self.rows = [s.rows for s in segments]
         self.kernels = None  # the C kernels, set by prepare_for_cpu
@@ -140,15 +153,26 @@ class GGUFLinear(QuantLinear):
 
     def prepare_for_cpu(self, parts: int, kernels) -> None:
         self.kernels = kernels
+        if (self.int8_activations and kernels is not None and kernels.qdot_available() and self.types == [Q.Q8_0]
+                and self.dense is not None and self.qdot_kernels is None
+                and qdot.fits(self.out_features, self.in_features)):
+            b = self.blocks0.reshape(self.out_features, -1, 34)
+            q = b[..., 2:].contiguous().view(torch.int8).reshape(self.out_features, self.in_features)
+            self.blocks0 = qdot.pack_q8(q, b[..., :2].contiguous().view(torch.float16).float().squeeze(-1))
+            self.qdot_kernels = kernels
 
     def dequantize(self) -> torch.Tensor:
+        if self.qdot_kernels is not None:
+            return self.dense
         parts = [dequantize_blocks(t, getattr(self, f"blocks{i}"), self.in_features) for i, t in enumerate(self.types)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qdot_kernels is not None and not x.is_cuda:
+            return qdot.matmul(self.qdot_kernels, 8, self.blocks0, x, self.out_features)
         if (self.kernels is None or x.dim() != 2 or x.shape[0] > self.FEW_ROWS or x.dtype != torch.float32
                 or x.is_cuda):
-            return F.linear(x, self.dequantize().to(x.dtype))
+            return F.linear(x, (self.dequantize() if self.dense is None else self.dense).to(x.dtype))
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features)
         for (buffer, kernel, start), ggml_type, rows in zip(self._segments, self.types, self.rows):
@@ -161,6 +185,25 @@ class GGUFLinear(QuantLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", types=" + "|".join(t.name for t in self.types)
+
+
+def q8_0_head(weight: torch.Tensor) -> GGUFLinear:
+    """A float output head ``[vocab, hidden]`` as Q8_0 blocks (gguf's own quantizer: one float16
+    scale per 32 weights, llama.cpp's usual head type), for ``use_block_head``; multiplied in int8
+    dot products where the kernels have them (the layers' int4 already rounds x)."""
+    blocks = np_quantize(weight.detach().float().cpu().numpy(), Q.Q8_0)
+    return GGUFLinear([Segment(Q.Q8_0, torch.from_numpy(blocks), weight.shape[0])], weight.shape[1],
+                      int8_activations=True)
+
+
+def use_block_head(model, head: GGUFLinear) -> None:
+    """Make ``head`` the model's output head. Its dequantised blocks become the float table it
+    multiplies by past ``FEW_ROWS`` rows and, when the embedding is tied, the embedding's table
+    too, so both read the same weights at every batch size and no float table is kept twice."""
+    head.dense = head.dequantize()
+    model.lm_head = head
+    if model.config.tie_word_embeddings:
+        model.embed_tokens.weight = torch.nn.Parameter(head.dense, requires_grad=False)
 
 
 def read_segment(gguf: GGUFFile, blob: np.ndarray, name: str) -> Segment:

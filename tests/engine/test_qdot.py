@@ -1,0 +1,74 @@
+"""cpu_qdot.c: 4- and 8-bit weights times x in two int8 parts, through AVX-512 VNNI dot products.
+
+The kernel tests run where the processor (and the kernels' build) has VNNI; the packing tests
+everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine import cpu_kernels
+from pdserve.engine.quant import qdot
+from pdserve.engine.quant.formats import Int4Linear
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = cpu_kernels.load_kernels()
+    if lib is None or not lib.qdot_available():
+        pytest.skip("no int8 dot products (AVX-512 VNNI) in this build of the kernels")
+    return lib
+
+
+def test_q4_tiles_unpack_to_what_was_packed():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (48, 96), generator=g, dtype=torch.uint8)
+    d, m = torch.rand(48, 3, generator=g), torch.randn(48, 3, generator=g)
+    q2, d2, m2 = qdot.unpack_q4(qdot.pack_q4(q, d, m), 48, 96)
+    assert torch.equal(q2, q) and torch.equal(d2, d) and torch.equal(m2, m)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernels_match_the_float_product_row_by_row(lib, bits, rows):
+    """x @ W^T to ~15 bits (x in two int8 parts), and each row's result the same whatever rows share
+    the call (decode steps of any size give a request the same logits)."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 96, 128
+    d = torch.rand(n, k // 32, generator=g) * 0.1
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), generator=g)
+        m = torch.randn(n, k // 32, generator=g) * 0.1
+        tiles = qdot.pack_q4(q, d, m)
+        w = d.repeat_interleave(32, 1) * q + m.repeat_interleave(32, 1)
+    else:
+        q = torch.randint(-127, 128, (n, k), generator=g)
+        tiles = qdot.pack_q8(q, d)
+        w = d.repeat_interleave(32, 1) * q
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 1, k)  # small inputs beside large ones
+    x[0, :32] = 0.0  # a block of zeros (scale 0)
+    got = qdot.matmul(lib, bits, tiles, x, n)
+    assert rel_err(got, x.double() @ w.double().T) < 1e-4
+    for r in range(rows):
+        assert torch.equal(qdot.matmul(lib, bits, tiles, x[r:r + 1], n)[0], got[r])
+
+
+def test_int4_layers_move_to_the_qdot_layout(lib):
+    """On a VNNI processor an int4 layer keeps one copy of its weight, in cpu_qdot.c's layout, with
+    the same dequantised weight as before (up to the rounding of its zero points), and multiplies
+    every row count there: prefill's 300 rows as decode's one."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(160, 256, generator=g) * 0.05
+    layer = Int4Linear(weight, 32)
+    before = layer.dequantize()
+    layer.prepare_for_cpu(1, lib)
+    assert layer.qdot_kernels is lib and layer.scales_zeros is None
+    torch.testing.assert_close(layer.dequantize(), before, rtol=0, atol=1e-6)
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 256, generator=g)
+        assert rel_err(layer(x), x @ before.T) < 1e-4
