@@ -308,11 +308,10 @@ def gguf_gemm(lib: ctypes.CDLL, ggml_type: str, blocks: torch.Tensor, x: torch.T
 
 def qdot_gemm(lib: ctypes.CDLL, bits: int, tiles: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
     """``out = x @ W^T`` in int8 dot products (``cpu_qdot.c``; only where ``lib.qdot_available()``):
-    ``tiles`` W packed by ``quant.qdot`` (``bits`` 4 or 8), ``x`` float32 ``[m, k]`` contiguous,
-    rounded to int8 per 32 inputs by the kernel; ``out`` float32 ``[m, n]`` with unit column stride."""
+    ``tiles`` W packed by ``quant.qdot`` (``bits`` 4 or 8; ``qdot.fits`` its shape), ``x`` float32
+    ``[m, k]`` contiguous, split in two int8 parts per 32 inputs by the kernel; ``out`` float32
+    ``[m, n]`` contiguous. (No checks here: a decode step makes ~120 of these calls.)"""
     m, k = x.shape
-    n = out.shape[1]
-    assert out.shape[0] == m and out.stride(1) == 1 and x.is_contiguous() and n % 16 == 0 and k % 32 == 0
     kernel = lib.qdot_gemm_q4 if bits == 4 else lib.qdot_gemm_q8
-    if kernel(tiles.data_ptr(), x.data_ptr(), out.data_ptr(), n, k, m, out.stride(0)):
-        raise MemoryError(f"qdot_gemm: no memory for the int8 copy of x ({m} x {k})")
+    if kernel(tiles.data_ptr(), x.data_ptr(), out.data_ptr(), out.shape[1], k, m, out.shape[1]):
+        raise MemoryError(f"qdot_gemm: no memory for the int8 parts of x ({m} x {k})")

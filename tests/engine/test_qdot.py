@@ -10,7 +10,7 @@ import torch
 
 from pdserve.engine import cpu_kernels
 from pdserve.engine.quant import qdot
-from pdserve.engine.quant.formats import Int4Linear
+from pdserve.engine.quant.formats import Int4Linear, Int8Linear
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -28,7 +28,7 @@ def lib():
 def test_q4_tiles_unpack_to_what_was_packed():
     g = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (48, 96), generator=g, dtype=torch.uint8)
-    d, m = torch.rand(48, 3, generator=g), torch.randn(48, 3, generator=g)
+    d, m = torch.rand(48, 3, generator=g).half().float(), torch.randn(48, 3, generator=g).half().float()
     q2, d2, m2 = qdot.unpack_q4(qdot.pack_q4(q, d, m), 48, 96)
     assert torch.equal(q2, q) and torch.equal(d2, d) and torch.equal(m2, m)
 
@@ -40,10 +40,10 @@ def test_kernels_match_the_float_product_row_by_row(lib, bits, rows):
     the call (decode steps of any size give a request the same logits)."""
     g = torch.Generator().manual_seed(rows)
     n, k = 96, 128
-    d = torch.rand(n, k // 32, generator=g) * 0.1
+    d = (torch.rand(n, k // 32, generator=g) * 0.1).half().float()  # (the tiles keep float16 scales)
     if bits == 4:
         q = torch.randint(0, 16, (n, k), generator=g)
-        m = torch.randn(n, k // 32, generator=g) * 0.1
+        m = (torch.randn(n, k // 32, generator=g) * 0.1).half().float()
         tiles = qdot.pack_q4(q, d, m)
         w = d.repeat_interleave(32, 1) * q + m.repeat_interleave(32, 1)
     else:
@@ -60,7 +60,7 @@ def test_kernels_match_the_float_product_row_by_row(lib, bits, rows):
 
 def test_int4_layers_move_to_the_qdot_layout(lib):
     """On a VNNI processor an int4 layer keeps one copy of its weight, in cpu_qdot.c's layout, with
-    the same dequantised weight as before (up to the rounding of its zero points), and multiplies
+    the same dequantised weight as before (up to float16's rounding of its zero points), and multiplies
     every row count there: prefill's 300 rows as decode's one."""
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(160, 256, generator=g) * 0.05
@@ -68,7 +68,26 @@ def test_int4_layers_move_to_the_qdot_layout(lib):
     before = layer.dequantize()
     layer.prepare_for_cpu(1, lib)
     assert layer.qdot_kernels is lib and layer.scales_zeros is None
-    torch.testing.assert_close(layer.dequantize(), before, rtol=0, atol=1e-6)
+    torch.testing.assert_close(layer.dequantize(), before, rtol=0, atol=1e-4)
     for rows in (1, 7, 300):
         x = torch.randn(rows, 256, generator=g)
-        assert rel_err(layer(x), x @ before.T) < 1e-4
+        assert rel_err(layer(x), x @ before.T) < 1e-3
+        assert rel_err(layer(x), x @ layer.dequantize().T) < 1e-4
+
+
+def test_scales_outside_float16_keep_torchs_kernel(lib):
+    layer = Int4Linear(torch.randn(32, 64) * 1e-7, 32)  # scales ~1e-8: float16 subnormals
+    layer.prepare_for_cpu(1, lib)
+    assert layer.qdot_kernels is None
+
+
+def test_int8_layers_move_to_the_qdot_layout(lib):
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(48, 96, generator=g) * 0.05
+    layer = Int8Linear(weight)
+    before = layer.dequantize()
+    layer.prepare_for_cpu(1, lib)
+    assert layer.qdot_kernels is lib and layer.scales is None
+    torch.testing.assert_close(layer.dequantize(), before, rtol=2**-11, atol=0)  # scales as float16
+    x = torch.randn(5, 96, generator=g)
+    assert rel_err(layer(x), x @ layer.dequantize().T) < 1e-4

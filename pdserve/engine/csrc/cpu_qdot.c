@@ -9,10 +9,10 @@
  * Weights are laid out in tiles of 16 output rows (one per int32 lane), block by block; per tile
  * and block of 32 inputs:
  *   4-bit: 8 steps x 32 bytes: byte 4j+i of step s holds q[row j][4s+i] (low nibble) and
- *          q[row j+8][4s+i] (high nibble), j < 8, i < 4; then 16 float32 d and 16 float32 m:
- *          w = d * q + m, q in 0..15
+ *          q[row j+8][4s+i] (high nibble), j < 8, i < 4; then 16 float16 d and 16 float16 m:
+ *          w = d * q + m, q in 0..15 (4.625 bits a weight, as tinygemm's int4 or a Q4_1 file)
  *   8-bit: 8 steps x 64 bytes: byte 4j+i of step s holds q[row j][4s+i] + 128, j < 16; then 16
- *          float32 d: w = d * q, q in -127..127
+ *          float16 d: w = d * q, q in -127..127 (Q8_0's 8.5 bits)
  * (qdot.py packs both from plain integers.) A step is four inputs of every row of the tile: one
  * vpdpbusd per row of x adds them into its 16 lanes. Threads split the tiles; y has row stride ldy.
  * Without VNNI the gemms return 1 and qdot_available() 0: the callers keep their other kernels.
@@ -64,8 +64,8 @@ static __attribute__((unused)) void qdot_quantize_rows(const float *restrict x, 
 
 int qdot_available(void) { return 1; }
 
-#define Q4_TILE_BYTES (8 * 32 + 2 * TILE * 4)
-#define Q8_TILE_BYTES (8 * 64 + TILE * 4)
+#define Q4_TILE_BYTES (8 * 32 + 2 * TILE * 2)
+#define Q8_TILE_BYTES (8 * 64 + TILE * 2)
 
 static inline __attribute__((always_inline)) void q4_pass(const uint8_t *tile, int64_t nb, const int8_t *qx, int64_t k,
                                                          const float *dx, const float *xs, float *y, int64_t ldy,
@@ -89,7 +89,8 @@ static inline __attribute__((always_inline)) void q4_pass(const uint8_t *tile, i
                 l[r] = _mm512_dpbusd_epi32(l[r], w, _mm512_set1_epi32(four[1]));
             }
         }
-        const __m512 d = _mm512_loadu_ps((const float *)(p + 256)), mn = _mm512_loadu_ps((const float *)(p + 256 + 64));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256))),
+                     mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256 + 32)));
         for (int r = 0; r < MRC; r++) {
             const int64_t nbr = r * nb + b;
             const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l[r]), rest, _mm512_cvtepi32_ps(s[r]));
@@ -122,7 +123,8 @@ static inline __attribute__((always_inline)) void q8_pass(const uint8_t *tile, i
                 l[r] = _mm512_dpbusd_epi32(l[r], w, _mm512_set1_epi32(four[1]));
             }
         }
-        const __m512 d = _mm512_loadu_ps((const float *)(p + 512)), rest = _mm512_set1_ps(1.0f / 254.0f);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 512))),
+                     rest = _mm512_set1_ps(1.0f / 254.0f);
         for (int r = 0; r < MRC; r++) {
             const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l[r]), rest, _mm512_cvtepi32_ps(s[r]));
             acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), acc[r]);

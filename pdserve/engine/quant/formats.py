@@ -98,21 +98,42 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(QuantLinear):
+    """Per-output-row int8 weights: torch's kernel (``_weight_int8pack_mm``), or, where the C kernels
+    have int8 dot products (AVX-512 VNNI), ``cpu_qdot.c`` at every row count after
+    ``prepare_for_cpu`` moves the weight to its layout (the row's scale repeated per 32 inputs)."""
+
     def __init__(self, weight: torch.Tensor):
         super().__init__(*weight.shape)
         q, scale = quantize_int8(weight)
         self.act_dtype = _kernel_dtype(weight.device, weight.dtype)
         self.register_buffer("qweight", q.contiguous())
         self.register_buffer("scales", scale.to(self.act_dtype))  # the kernel wants x's dtype
+        self.qdot_kernels = None  # set by prepare_for_cpu when qweight holds qdot.pack_q8's tiles
         self.use_kernel = _try_kernel(self, self._kernel, self.dequantize())
+
+    def prepare_for_cpu(self, parts: int, kernels) -> None:
+        if (kernels is None or not kernels.qdot_available() or self.qdot_kernels is not None
+                or self.qweight.device.type != "cpu" or not qdot.fits(self.out_features, self.in_features)
+                or not qdot.f16_exact_enough(self.scales.float())):
+            return
+        blocks = self.in_features // qdot.QK
+        self.qweight = qdot.pack_q8(self.qweight, self.scales.float()[:, None].expand(-1, blocks))
+        self.scales = None
+        self.use_kernel = False
+        self.qdot_kernels = kernels
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.to(self.act_dtype), self.qweight, self.scales)
 
     def dequantize(self) -> torch.Tensor:
+        if self.qdot_kernels is not None:
+            q, d = qdot.unpack_q8(self.qweight, self.out_features, self.in_features)
+            return q.float() * d.repeat_interleave(qdot.QK, 1)
         return self.qweight.float() * self.scales.float()[:, None]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qdot_kernels is not None:
+            return qdot.matmul(self.qdot_kernels, 8, self.qweight, x, self.out_features)
         if self.use_kernel:
             return self._kernel(x.contiguous()).to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype))
@@ -235,6 +256,9 @@ class Int4Linear(QuantLinear):
         else:
             q = torch.nan_to_num(self._plain_q())  # (a group of one value has scale 0: any q)
         s, z = self.scales_zeros.float().transpose(0, 1).unbind(-1)  # [out, in / group]
+        if not qdot.f16_exact_enough(s, z - 8 * s):
+            log.info("int4: scales outside float16's range; this layer keeps torch's kernel")
+            return
         per = self.group_size // qdot.QK
         self.qweight = qdot.pack_q4(q, s.repeat_interleave(per, 1), (z - 8 * s).repeat_interleave(per, 1))
         self.scales_zeros = None
