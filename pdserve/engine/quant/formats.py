@@ -262,7 +262,7 @@ class Int4Linear(QuantLinear):
         per = self.group_size // qdot.QK
         self.qweight = qdot.pack_q4(q, s.repeat_interleave(per, 1), (z - 8 * s).repeat_interleave(per, 1))
         self.scales_zeros = None
-        self.use_kernel = self.dequant_many_rows = False
+        self.use_kernel = False  # (dequant_many_rows stays: from MANY_ROWS rows bfloat16 is faster still)
         self.qdot_kernels = kernels
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -283,22 +283,29 @@ class Int4Linear(QuantLinear):
     def dequantize(self) -> torch.Tensor:
         if self.qdot_kernels is not None:
             q, d, m = qdot.unpack_q4(self.qweight, self.out_features, self.in_features)
-            return d.repeat_interleave(qdot.QK, 1) * q + m.repeat_interleave(qdot.QK, 1)
+            blocks = q.view(self.out_features, -1, qdot.QK).float() * d[..., None] + m[..., None]
+            return blocks.view(self.out_features, self.in_features)
         s, z = self.scales_zeros.float().transpose(0, 1).unbind(-1)
         return dequantize_int4(self._plain_q(), s, z, self.group_size)
 
     def _bf16_weight(self) -> torch.Tensor:
-        """The weight in bfloat16, ``(q - 8) * scale + zero`` from the kernel's packed layout."""
+        """The weight in bfloat16, ``(q - 8) * scale + zero`` from the kernel's packed layout (or
+        ``q * d + m`` from qdot's)."""
+        if self.qdot_kernels is not None:
+            q, d, m = qdot.unpack_q4(self.qweight, self.out_features, self.in_features)
+            bf16 = torch.bfloat16
+            blocks = q.view(self.out_features, -1, qdot.QK).to(bf16) * d[..., None].to(bf16) + m[..., None].to(bf16)
+            return blocks.view(self.out_features, self.in_features)
         q = unpack_cpu_int4(self.qweight, self.out_features, self.in_features)
         groups = q.view(self.out_features, -1, self.group_size).to(torch.bfloat16)
         scale, zero = self.scales_zeros.transpose(0, 1).unbind(-1)  # [out, in / group], bfloat16
         return ((groups - 8) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qdot_kernels is not None:
-            return qdot.matmul(self.qdot_kernels, 4, self.qweight, x, self.out_features)
         if self.dequant_many_rows and x.shape[0] >= self.MANY_ROWS:
             return F.linear(x.to(torch.bfloat16), self._bf16_weight()).to(x.dtype)
+        if self.qdot_kernels is not None:
+            return qdot.matmul(self.qdot_kernels, 4, self.qweight, x, self.out_features)
         if self.use_kernel:
             return self._kernel(x.contiguous()).to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype))
