@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.engine.cpu_isa import describe_cpu
+from pdserve.engine.cpu_isa import CPU_ISA_CHOICES, describe_cpu
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 PROMPTS = [
@@ -122,7 +122,8 @@ def run_format(fmt: str, args) -> dict:
     bar = tqdm(total=5, desc=f"{fmt}: load", file=sys.stderr, leave=False)
     t = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, quantization=QUANTIZATION[name], load_progress=False,
-                                    quantization_group_size=int(group or args.group_size), num_kv_blocks=512))
+                                    quantization_group_size=int(group or args.group_size), num_kv_blocks=512,
+                                    cpu_isa=args.cpu_isa))
     result = {"format": fmt, "load_s": time.perf_counter() - t, "weight_mib": weight_bytes(engine.loaded.model) / 2**20,
               "threads": torch.get_num_threads()}
     for batch in (1, 16):
@@ -198,7 +199,7 @@ def report(results: list[dict], args) -> list[dict]:
             "b1_vs_ref": r["decode_b1_tok_s"] / ref["decode_b1_tok_s"],
             "b16_vs_ref": None if r["decode_b16_tok_s"] is None else r["decode_b16_tok_s"] / ref["decode_b16_tok_s"],
         })
-    print(f"\nCPU: {describe_cpu()}")
+    print(f"\nCPU: {describe_cpu()}" + ("" if args.cpu_isa == "auto" else f"; pdserve capped at {args.cpu_isa}"))
     print(f"model {args.model}, {ref['threads']} threads; decode: {args.prompt_len}-token prompts, "
           f"{args.decode_tokens} new tokens; perplexity over {ref['ppl_tokens']} tokens of {TEXT.name}; "
           f"agreement: {len(PROMPTS)} chat prompts x {args.agree_tokens} greedy tokens vs {ref['format']}\n")
@@ -248,6 +249,10 @@ def main() -> None:
     p.add_argument("--llamacpp-python", default=None,
                    help="the python of llama.cpp's venv (benchmarks/setup_llamacpp.sh builds .llamacpp-venv): adds "
                         "llama.cpp on the GGUF as shipped, same token ids and threads (default: not run)")
+    p.add_argument("--cpu-isa", default="auto", choices=CPU_ISA_CHOICES,
+                   help="cap pdserve's instruction set (the engine's --cpu-isa), e.g. avx2 on an AVX-512 machine to "
+                        "know the AVX2 figures; give --llamacpp-python a llama.cpp built the same way "
+                        "(setup_llamacpp.sh --avx2) (default: auto, the processor's best)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:

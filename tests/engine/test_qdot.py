@@ -1,6 +1,8 @@
-"""cpu_qdot.c: 4- and 8-bit weights times x in two int8 parts, through AVX-512 VNNI dot products.
+"""cpu_qdot.c: 4- and 8-bit weights times x in two int8 parts, through AVX-512 VNNI dot products
+(or AVX2's pair products, 4-bit only).
 
-The kernel tests run where the processor (and the kernels' build) has VNNI; the packing tests
+The kernel tests run where the kernels' build has them (``PDSERVE_CPU_ISA=avx2`` builds the AVX2
+variant on an AVX-512 machine, as ``test_the_avx2_variant_matches`` does); the packing tests
 everywhere."""
 
 from __future__ import annotations
@@ -20,9 +22,14 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def lib():
     lib = cpu_kernels.load_kernels()
-    if lib is None or not lib.qdot_available():
-        pytest.skip("no int8 dot products (AVX-512 VNNI) in this build of the kernels")
+    if not qdot.supports(lib, 4):
+        pytest.skip("no byte dot products (AVX-512 VNNI or AVX2) in this build of the kernels")
     return lib
+
+
+def need(lib, bits: int) -> None:
+    if not qdot.supports(lib, bits):
+        pytest.skip(f"{bits}-bit weights need AVX-512 VNNI (this build of the kernels has AVX2's 4-bit only)")
 
 
 def test_q4_tiles_unpack_to_what_was_packed():
@@ -38,6 +45,7 @@ def test_q4_tiles_unpack_to_what_was_packed():
 def test_kernels_match_the_float_product_row_by_row(lib, bits, rows):
     """x @ W^T to ~15 bits (x in two int8 parts), and each row's result the same whatever rows share
     the call (decode steps of any size give a request the same logits)."""
+    need(lib, bits)
     g = torch.Generator().manual_seed(rows)
     n, k = 96, 128
     d = (torch.rand(n, k // 32, generator=g) * 0.1).half().float()  # (the tiles keep float16 scales)
@@ -82,6 +90,7 @@ def test_scales_outside_float16_keep_torchs_kernel(lib):
 
 
 def test_int8_layers_move_to_the_qdot_layout(lib):
+    need(lib, 8)
     g = torch.Generator().manual_seed(2)
     weight = torch.randn(48, 96, generator=g) * 0.05
     layer = Int8Linear(weight)
@@ -91,3 +100,22 @@ def test_int8_layers_move_to_the_qdot_layout(lib):
     torch.testing.assert_close(layer.dequantize(), before, rtol=2**-11, atol=0)  # scales as float16
     x = torch.randn(5, 96, generator=g)
     assert rel_err(layer(x), x @ layer.dequantize().T) < 1e-4
+
+
+def test_the_avx2_variant_matches(tmp_path):
+    """The AVX2 build (no VNNI) runs this file's 4-bit tests in a child process capped at AVX2."""
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.engine.cpu_isa import cpu_flags
+
+    if not {"avx2", "fma", "f16c"} <= cpu_flags() or cpu_kernels.load_kernels() is None:
+        pytest.skip("needs an AVX2 processor and a C compiler")
+    if os.environ.get("PDSERVE_CPU_ISA") == "avx2":
+        pytest.skip("this is the AVX2 run")
+    env = {**os.environ, "PDSERVE_CPU_ISA": "avx2"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "skipped" in proc.stdout  # the 8-bit tests: VNNI only

@@ -1,10 +1,10 @@
-/* Few-rows matmuls in integer dot products (AVX-512 VNNI), as llama.cpp multiplies its 4- and
- * 8-bit blocks: each row of x is rounded to int8 once per call, one scale per 32 inputs
- * (qdot_quantize_rows), and the weights' small integers are multiplied by those with vpdpbusd
- * (64 byte products a instruction), so no weight is widened to float. The scales are applied once
- * per block of 32 products. Used by quant/formats.Int4Linear and the Q8_0 output head
- * (quant/gguf_native.GGUFLinear) for decode steps; x's rounding to 8 bits is the only change to the
- * numbers against the dequantised weight (relative error ~ 2^-8 per block of x).
+/* Matmuls of up to a few hundred rows in integer dot products (AVX-512 VNNI), as llama.cpp
+ * multiplies its 4- and 8-bit blocks: each row of x is split once per call into two int8 parts per
+ * 32 inputs (qdot_quantize_rows: x = dx (q + l / 254), ~15 bits), the weights' small integers are
+ * multiplied by both with vpdpbusd (64 byte products an instruction), so no weight is widened to
+ * float, and the scales are applied once per block of 32 products. Used by quant/formats'
+ * Int4Linear and Int8Linear and the Q8_0 output head (quant/gguf_native.GGUFLinear); against the
+ * dequantised weight's float product the results differ by x's rounding (relative ~1e-5).
  *
  * Weights are laid out in tiles of 16 output rows (one per int32 lane), block by block; per tile
  * and block of 32 inputs:
@@ -15,7 +15,8 @@
  *          float16 d: w = d * q, q in -127..127 (Q8_0's 8.5 bits)
  * (qdot.py packs both from plain integers.) A step is four inputs of every row of the tile: one
  * vpdpbusd per row of x adds them into its 16 lanes. Threads split the tiles; y has row stride ldy.
- * Without VNNI the gemms return 1 and qdot_available() 0: the callers keep their other kernels.
+ * AVX2 without VNNI: 4-bit only, in vpmaddubsw (see there). qdot_available() says which; the
+ * others return 1 and the callers keep their other kernels.
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,7 +25,8 @@
 
 #define QK 32    /* inputs a block */
 #define TILE 16  /* output rows a tile */
-#define MR 4     /* rows of x per pass over a tile */
+#define Q4_TILE_BYTES (8 * 32 + 2 * TILE * 2)
+#define Q8_TILE_BYTES (8 * 64 + TILE * 2)
 
 /* x [m, k] float32 -> per row and block b, in two int8 parts: x = dx[b] * (qx + lx / 254) up to
  * dx / 508, qx = rint(x / dx) with dx[b] = max|x| / 127 (llama.cpp's Q8 activations) and lx the
@@ -59,13 +61,40 @@ static __attribute__((unused)) void qdot_quantize_rows(const float *restrict x, 
         }
 }
 
+/* y[r, i] = sum_j W[i, j] x[r, j] for float32 x [m, k], rounded here by qdot_quantize_rows;
+ * n a multiple of 16, k of 32. Returns 1 when its scratch could not be allocated. */
+#define DEFINE_GEMM(NAME, PASS, TILE_BYTES, EXTRA, PER) /* PER: EXTRA's values a block */                                                  \
+    int NAME(const uint8_t *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t k,     \
+             int64_t m, int64_t ldy) {                                                              \
+        const int64_t nb = k / QK;                                                                  \
+        char *scratch = malloc((size_t)(2 * m * k + 4 * m * nb * 4));                               \
+        if (scratch == NULL) return 1;                                                              \
+        int8_t *qx = (int8_t *)scratch;                                                             \
+        float *dx = (float *)(scratch + 2 * m * k), *xs = dx + m * nb;                              \
+        int32_t *qs = (int32_t *)(xs + m * nb);                                                     \
+        qdot_quantize_rows(x, qx, dx, xs, qs, m, k);                                                \
+        _Pragma("omp parallel for schedule(static)") for (int64_t t = 0; t < n / TILE; t++) {       \
+            const uint8_t *tile = w + t * nb * (TILE_BYTES);                                       \
+            int64_t r0 = 0;                                                                         \
+            for (; r0 + MR <= m; r0 += MR)                                                          \
+                PASS(tile, nb, qx + 2 * r0 * k, k, dx + r0 * nb, EXTRA + r0 * nb * PER, y + r0 * ldy + t * TILE, ldy, MR); \
+            switch (m - r0) { /* (MR - 1 rows at most) */                                         \
+            case 3: PASS(tile, nb, qx + 2 * r0 * k, k, dx + r0 * nb, EXTRA + r0 * nb * PER, y + r0 * ldy + t * TILE, ldy, 3 % MR); break; \
+            case 2: PASS(tile, nb, qx + 2 * r0 * k, k, dx + r0 * nb, EXTRA + r0 * nb * PER, y + r0 * ldy + t * TILE, ldy, 2 % MR); break; \
+            case 1: PASS(tile, nb, qx + 2 * r0 * k, k, dx + r0 * nb, EXTRA + r0 * nb * PER, y + r0 * ldy + t * TILE, ldy, 1); break; \
+            }                                                                                       \
+        }                                                                                           \
+        free(scratch);                                                                              \
+        return 0;                                                                                   \
+    }
+
+
+
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-int qdot_available(void) { return 1; }
-
-#define Q4_TILE_BYTES (8 * 32 + 2 * TILE * 2)
-#define Q8_TILE_BYTES (8 * 64 + TILE * 2)
+#define QDOT_KINDS 3 /* 4- and 8-bit */
+#define MR 4         /* rows of x per pass over a tile */
 
 static inline __attribute__((always_inline)) void q4_pass(const uint8_t *tile, int64_t nb, const int8_t *qx, int64_t k,
                                                          const float *dx, const float *xs, float *y, int64_t ldy,
@@ -133,39 +162,70 @@ static inline __attribute__((always_inline)) void q8_pass(const uint8_t *tile, i
     for (int r = 0; r < MRC; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-/* y[r, i] = sum_j W[i, j] x[r, j] for float32 x [m, k], rounded here by qdot_quantize_rows;
- * n a multiple of 16, k of 32. Returns 1 when its scratch could not be allocated. */
-#define DEFINE_GEMM(NAME, PASS, TILE_BYTES, EXTRA, PER) /* PER: EXTRA's values a block */                                                  \
-    int NAME(const uint8_t *restrict w, const float *restrict x, float *restrict y, int64_t n, int64_t k,     \
-             int64_t m, int64_t ldy) {                                                              \
-        const int64_t nb = k / QK;                                                                  \
-        char *scratch = malloc((size_t)(2 * m * k + 4 * m * nb * 4));                               \
-        if (scratch == NULL) return 1;                                                              \
-        int8_t *qx = (int8_t *)scratch;                                                             \
-        float *dx = (float *)(scratch + 2 * m * k), *xs = dx + m * nb;                              \
-        int32_t *qs = (int32_t *)(xs + m * nb);                                                     \
-        qdot_quantize_rows(x, qx, dx, xs, qs, m, k);                                                \
-        _Pragma("omp parallel for schedule(static)") for (int64_t t = 0; t < n / TILE; t++) {       \
-            const uint8_t *tile = w + t * nb * (TILE_BYTES);                                       \
-            int64_t r0 = 0;                                                                         \
-            for (; r0 + MR <= m; r0 += MR)                                                          \
-                PASS(tile, nb, qx + 2 * r0 * k, k, dx + r0 * nb, EXTRA + r0 * nb * PER, y + r0 * ldy + t * TILE, ldy, MR); \
-            switch (m - r0) {                                                                       \
-            case 3: PASS(tile, nb, qx + 2 * r0 * k, k, dx + r0 * nb, EXTRA + r0 * nb * PER, y + r0 * ldy + t * TILE, ldy, 3); break; \
-            case 2: PASS(tile, nb, qx + 2 * r0 * k, k, dx + r0 * nb, EXTRA + r0 * nb * PER, y + r0 * ldy + t * TILE, ldy, 2); break; \
-            case 1: PASS(tile, nb, qx + 2 * r0 * k, k, dx + r0 * nb, EXTRA + r0 * nb * PER, y + r0 * ldy + t * TILE, ldy, 1); break; \
-            }                                                                                       \
-        }                                                                                           \
-        free(scratch);                                                                              \
-        return 0;                                                                                   \
-    }
-
 DEFINE_GEMM(qdot_gemm_q4, q4_pass, Q4_TILE_BYTES, xs, 1)
 DEFINE_GEMM(qdot_gemm_q8, q8_pass, Q8_TILE_BYTES, qs, 2)
 
-#else /* no VNNI */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 has no int8 dot product with a 32-bit sum: vpmaddubsw adds pairs of byte products into 16
+ * bits (15 * 127 * 2 at most), eight steps of them still fit, and vpmaddwd sums those once a block.
+ * 4-bit only: 8-bit weights (up to 255 * 127 * 2) would saturate the pairs. A tile's 16 rows are two
+ * 8-lane halves: the low nibbles (rows 0-7) and the high (rows 8-15). */
+#include <immintrin.h>
 
-int qdot_available(void) { return 0; }
+#define QDOT_KINDS 1 /* 4-bit */
+#define MR 2         /* rows of x per pass (16 registers) */
+
+static inline __attribute__((always_inline)) void q4_pass(const uint8_t *tile, int64_t nb, const int8_t *qx, int64_t k,
+                                                         const float *dx, const float *xs, float *y, int64_t ldy,
+                                                         const int MRC) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256 rest = _mm256_set1_ps(1.0f / 254.0f);
+    __m256 acc[MR][2];
+    for (int r = 0; r < MRC; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = tile + b * Q4_TILE_BYTES;
+        __m256i s[MR][2], l[MR][2];
+        for (int r = 0; r < MRC; r++) s[r][0] = s[r][1] = l[r][0] = l[r][1] = _mm256_setzero_si256();
+        for (int st = 0; st < 8; st++) {
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(p + 32 * st));
+            const __m256i w0 = _mm256_and_si256(packed, low), w1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+            for (int r = 0; r < MRC; r++) {
+                int32_t four[2];
+                memcpy(&four[0], qx + 2 * r * k + b * QK + 4 * st, 4);
+                memcpy(&four[1], qx + (2 * r + 1) * k + b * QK + 4 * st, 4);
+                const __m256i xh = _mm256_set1_epi32(four[0]), xl = _mm256_set1_epi32(four[1]);
+                s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(w0, xh));
+                s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(w1, xh));
+                l[r][0] = _mm256_add_epi16(l[r][0], _mm256_maddubs_epi16(w0, xl));
+                l[r][1] = _mm256_add_epi16(l[r][1], _mm256_maddubs_epi16(w1, xl));
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 16 * h))),
+                         mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288 + 16 * h)));
+            for (int r = 0; r < MRC; r++) {
+                const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(l[r][h], ones)), rest,
+                                                   _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h], ones)));
+                acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[r * nb + b]), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < MRC; r++) {
+        _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+    }
+}
+
+DEFINE_GEMM(qdot_gemm_q4, q4_pass, Q4_TILE_BYTES, xs, 1)
+int qdot_gemm_q8(const uint8_t *w, const float *x, float *y, int64_t n, int64_t k, int64_t m, int64_t ldy) {
+    (void)w, (void)x, (void)y, (void)n, (void)k, (void)m, (void)ldy;
+    return 1;
+}
+
+#else /* no AVX2 */
+
+#define QDOT_KINDS 0
 int qdot_gemm_q4(const uint8_t *w, const float *x, float *y, int64_t n, int64_t k, int64_t m, int64_t ldy) {
     (void)w, (void)x, (void)y, (void)n, (void)k, (void)m, (void)ldy;
     return 1;
@@ -176,3 +236,6 @@ int qdot_gemm_q8(const uint8_t *w, const float *x, float *y, int64_t n, int64_t 
 }
 
 #endif
+
+/* Which weights these kernels multiply here: 1 for 4-bit, 2 for 8-bit (bits of the answer). */
+int qdot_available(void) { return QDOT_KINDS; }

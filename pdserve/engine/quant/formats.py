@@ -112,7 +112,7 @@ class Int8Linear(QuantLinear):
         self.use_kernel = _try_kernel(self, self._kernel, self.dequantize())
 
     def prepare_for_cpu(self, parts: int, kernels) -> None:
-        if (kernels is None or not kernels.qdot_available() or self.qdot_kernels is not None
+        if (not qdot.supports(kernels, 8) or self.qdot_kernels is not None
                 or self.qweight.device.type != "cpu" or not qdot.fits(self.out_features, self.in_features)
                 or not qdot.f16_exact_enough(self.scales.float())):
             return
@@ -204,10 +204,12 @@ class Int4Linear(QuantLinear):
     (19.6 ms; 1.6-2.7x faster than either from 256 to 2,048 rows on SmolLM2's shapes). The weight
     is not kept dequantised.
 
-    Where the C kernels have int8 dot products (AVX-512 VNNI, ``cpu_qdot.c``), ``prepare_for_cpu``
-    moves the weight to their layout (``qdot.pack_q4``, tinygemm's dropped) and every row count
-    multiplies there, x rounded to int8 per 32 inputs as llama.cpp does: 2-3.5x tinygemm's time
-    from 1 to 255 rows on SmolLM2's shapes (tinygemm rounds x to bfloat16, a like error).
+    Where the C kernels have byte dot products (``cpu_qdot.c``: AVX-512 VNNI, or AVX2's pair
+    products), ``prepare_for_cpu`` moves the weight to their layout (``qdot.pack_q4``, tinygemm's
+    dropped) and fewer than ``MANY_ROWS`` rows multiply there, x split in two int8 parts per 32
+    inputs (~15 bits; tinygemm rounds x to bfloat16's 8): on the AMX Xeon with VNNI, 2.4-3.5x faster
+    than tinygemm from 1 to 255 rows on SmolLM2's shapes. From ``MANY_ROWS`` rows the bfloat16
+    weight is unpacked from those tiles, as before from tinygemm's.
     """
 
     MANY_ROWS = 256
@@ -247,7 +249,7 @@ class Int4Linear(QuantLinear):
         return dequantize_int4(*quantize_int4(weight, group_size, dtype), group_size)
 
     def prepare_for_cpu(self, parts: int, kernels) -> None:
-        if (kernels is None or not kernels.qdot_available() or self.qdot_kernels is not None
+        if (not qdot.supports(kernels, 4) or self.qdot_kernels is not None
                 or self.qweight.device.type != "cpu" or self.group_size % qdot.QK
                 or not qdot.fits(self.out_features, self.in_features)):
             return

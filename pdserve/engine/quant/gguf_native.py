@@ -153,7 +153,7 @@ class GGUFLinear(QuantLinear):
 
     def prepare_for_cpu(self, parts: int, kernels) -> None:
         self.kernels = kernels
-        if (self.int8_activations and kernels is not None and kernels.qdot_available() and self.types == [Q.Q8_0]
+        if (self.int8_activations and qdot.supports(kernels, 8) and self.types == [Q.Q8_0]
                 and self.dense is not None and self.qdot_kernels is None
                 and qdot.fits(self.out_features, self.in_features)):
             b = self.blocks0.reshape(self.out_features, -1, 34)

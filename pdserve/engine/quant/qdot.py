@@ -14,6 +14,11 @@ TILE, QK = 16, 32
 F16_NORMAL = (2.0**-14, 65504.0)
 
 
+def supports(kernels, bits: int) -> bool:
+    """Whether these kernels multiply ``bits``-bit weights (4: AVX-512 VNNI or AVX2; 8: VNNI only)."""
+    return kernels is not None and bool(kernels.qdot_available() & (1 if bits == 4 else 2))
+
+
 def fits(out_features: int, in_features: int) -> bool:
     return out_features % TILE == 0 and in_features % QK == 0
 
