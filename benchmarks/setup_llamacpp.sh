@@ -35,7 +35,9 @@ VERSION="${LLAMACPP_VERSION:-0.3.36}"
 if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/pip" install --upgrade pip
+    # --no-cache-dir: pip's wheel cache does not key on CMAKE_ARGS, so it would hand back the other
+    # build (a native wheel for --avx2, or the reverse)
     CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-        "$VENV/bin/pip" install --no-binary llama-cpp-python "llama-cpp-python==$VERSION"
+        "$VENV/bin/pip" install --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==$VERSION"
 fi
 "$VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'in $VENV')"

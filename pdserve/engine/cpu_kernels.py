@@ -310,8 +310,9 @@ def qdot_gemm(lib: ctypes.CDLL, bits: int, tiles: torch.Tensor, x: torch.Tensor,
     """``out = x @ W^T`` in int8 dot products (``cpu_qdot.c``; only where ``lib.qdot_available()``):
     ``tiles`` W packed by ``quant.qdot`` (``bits`` 4 or 8; ``qdot.fits`` its shape), ``x`` float32
     ``[m, k]`` contiguous, split in two int8 parts per 32 inputs by the kernel; ``out`` float32
-    ``[m, n]`` contiguous. (No checks here: a decode step makes ~120 of these calls.)"""
+    ``[m, n]`` with unit column stride (a fused projection's columns: its rows may be longer). (No
+    checks here: a decode step makes ~120 of these calls.)"""
     m, k = x.shape
     kernel = lib.qdot_gemm_q4 if bits == 4 else lib.qdot_gemm_q8
-    if kernel(tiles.data_ptr(), x.data_ptr(), out.data_ptr(), out.shape[1], k, m, out.shape[1]):
+    if kernel(tiles.data_ptr(), x.data_ptr(), out.data_ptr(), out.shape[1], k, m, out.stride(0)):
         raise MemoryError(f"qdot_gemm: no memory for the int8 parts of x ({m} x {k})")

@@ -119,3 +119,27 @@ def test_the_avx2_variant_matches(tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "skipped" in proc.stdout  # the 8-bit tests: VNNI only
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_gguf_segments_multiply_from_tiles_with_the_files_weights(lib, rows):
+    """A fused Q4_1 | Q8_0 | F16 | Q4_0 projection: the Q segments move to qdot's tiles (Q8_0 only
+    with VNNI) holding the file's weights bit for bit; x @ W^T to ~15 bits at any row count."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    from pdserve.engine.quant.gguf_native import GGUFLinear, Segment
+
+    rng = np.random.default_rng(rows)
+    segments = []
+    for qtype, n in ((Q.Q4_1, 48), (Q.Q8_0, 32), (Q.F16, 16), (Q.Q4_0, 48)):
+        w = rng.standard_normal((n, 96)).astype(np.float32)
+        segments.append(Segment(qtype, torch.from_numpy(quantize(w, qtype).view(np.uint8).reshape(n, -1).copy()), n))
+    layer = GGUFLinear(segments, 96)
+    before = layer.dequantize()
+    layer.prepare_for_cpu(1, lib)
+    assert [bits for *_, bits in layer._segments] == [4, 8 if qdot.supports(lib, 8) else None, None, 4]
+    assert torch.equal(layer.dequantize(), before)
+    x = torch.from_numpy(rng.standard_normal((rows, 96)).astype(np.float32))
+    assert rel_err(layer(x), x @ before.T) < 1e-4

@@ -338,8 +338,11 @@ def test_gguf_native_matches_the_dequantised_load(default_model):
         tokens.append(run_to_completion(engine)["r"])
     assert tokens[0] == tokens[1]
     ids = torch.tensor(prompt)
-    torch.testing.assert_close(full_forward(native.model, ids), full_forward(default_model.model, ids),
-                               rtol=1e-3, atol=1e-3)
+    got, want = full_forward(native.model, ids), full_forward(default_model.model, ids)
+    if native.model.lm_head.qdot_kernels is None:  # float32 x: the same weights, summed in another order
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    else:  # qdot's tiles: the same weights, x in two int8 parts (~15 bits) at each of 30 layers
+        assert rel_err(got, want) < 2e-3
 
 
 def test_quantize_model_none_is_a_no_op(float_tiny):

@@ -119,81 +119,105 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 class GGUFLinear(QuantLinear):
     """A projection as the file stores it: one segment of blocks per GGUF tensor it fuses.
 
-    On CPU with the C kernels (``cpu_gguf.c``), up to ``FEW_ROWS`` float32 rows (decode steps)
-    multiply straight from the Q8_0 / Q4_0 / Q4_1 blocks: each weight is read as its 4.5-8.5 bits,
-    never dequantised to memory. Other types, more rows, or no kernels: the segment is dequantised
-    per matmul and multiplied in float32, or, given ``dense`` (the output head: its float32 table
-    kept for the embedding lookup, equal to the dequantised blocks), multiplied by that table.
-
-    With ``int8_activations`` (the head ``q8_0_head`` makes for the other weight-only methods) and
-    int8 dot products in the kernels (``cpu_qdot.c``), a single Q8_0 segment moves to their layout
-    and every row count multiplies there, x rounded to int8 per 32 inputs (``dense`` then stands for
-    the blocks).
+    On CPU, where the C kernels have byte dot products (``cpu_qdot.c``: AVX-512 VNNI for Q8_0, Q4_0
+    and Q4_1; AVX2 for the 4-bit two), ``prepare_for_cpu`` moves each such segment to their tiles,
+    the file's own integers and float16 scales (Q4_0's offset as ``m = -8 d``), so the weights stay
+    the file's bit for bit, and fewer than ``MANY_ROWS`` rows (the head: every row count) multiply
+    there, x split in two int8 parts (~15 bits). Else up to ``FEW_ROWS`` float32 rows multiply from
+    the blocks through ``cpu_gguf.c`` (x float32). Other types, more rows, or no kernels: the
+    segment is dequantised per matmul and multiplied in float32, or, given ``dense`` (the output
+    head: its float32 table kept for the embedding lookup, equal to the dequantised blocks),
+    multiplied by that table.
     """
 
     FEW_ROWS = 64
+    MANY_ROWS = 256  # (qdot against dequantising: level at 256 rows of SmolLM2's shapes)
+    QDOT_BITS = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4}
 
-    def __init__(self, segments: list[Segment], in_features: int, dense: torch.Tensor | None = None,
-                 int8_activations: bool = False):
+    def __init__(self, segments: list[Segment], in_features: int, dense: torch.Tensor | None = None):
         super().__init__(sum(s.rows for s in segments), in_features)
         self.dense = dense  # not a buffer: the embedding's parameter when tied, moved and counted there
-        self.int8_activations = int8_activations
-        self.qdot_kernels = None  # set by prepare_for_cpu when blocks0 holds qdot.pack_q8's tiles
         self.types = [s.ggml_type for s in segments]
         self.rows = [s.rows for s in segments]
         self.kernels = None  # the C kernels, set by prepare_for_cpu
+        self.qdot_kernels = None  # set by prepare_for_cpu when some segment holds qdot's tiles
         # Per segment, worked out once for the matmuls: (its buffer's name, its kernel's GGML type
-        # name or None, its first output column).
+        # name or None, its first output column, its qdot width or None).
         self._segments, start = [], 0
         for i, s in enumerate(segments):
             self.register_buffer(f"blocks{i}", s.blocks)
             kernel = s.ggml_type.name.lower()
-            self._segments.append((f"blocks{i}", kernel if kernel in cpu_kernels.GGUF_KERNEL_TYPES else None, start))
+            self._segments.append((f"blocks{i}", kernel if kernel in cpu_kernels.GGUF_KERNEL_TYPES else None, start,
+                                   None))
             start += s.rows
 
     def prepare_for_cpu(self, parts: int, kernels) -> None:
         self.kernels = kernels
-        if (self.int8_activations and qdot.supports(kernels, 8) and self.types == [Q.Q8_0]
-                and self.dense is not None and self.qdot_kernels is None
-                and qdot.fits(self.out_features, self.in_features)):
-            b = self.blocks0.reshape(self.out_features, -1, 34)
-            q = b[..., 2:].contiguous().view(torch.int8).reshape(self.out_features, self.in_features)
-            self.blocks0 = qdot.pack_q8(q, b[..., :2].contiguous().view(torch.float16).float().squeeze(-1))
+        if self.qdot_kernels is not None or not qdot.fits(16, self.in_features):
+            return
+        for i, ((buffer, kernel, start, _), ggml_type, rows) in enumerate(zip(self._segments, self.types, self.rows)):
+            bits = self.QDOT_BITS.get(ggml_type)
+            if bits is None or not qdot.supports(kernels, bits) or not qdot.fits(rows, self.in_features):
+                continue
+            setattr(self, buffer, _blocks_to_tiles(ggml_type, getattr(self, buffer), rows, self.in_features))
+            self._segments[i] = (buffer, kernel, start, bits)
             self.qdot_kernels = kernels
 
+    def _segment_weight(self, i: int) -> torch.Tensor:
+        buffer, _, _, bits = self._segments[i]
+        blocks = getattr(self, buffer)
+        if bits == 4:
+            q, d, m = qdot.unpack_q4(blocks, self.rows[i], self.in_features)
+            return (q.view(self.rows[i], -1, qdot.QK).float() * d[..., None] + m[..., None]).view(self.rows[i], -1)
+        if bits == 8:
+            q, d = qdot.unpack_q8(blocks, self.rows[i], self.in_features)
+            return (q.view(self.rows[i], -1, qdot.QK).float() * d[..., None]).view(self.rows[i], -1)
+        return dequantize_blocks(self.types[i], blocks, self.in_features)
+
     def dequantize(self) -> torch.Tensor:
-        if self.qdot_kernels is not None:
-            return self.dense
-        parts = [dequantize_blocks(t, getattr(self, f"blocks{i}"), self.in_features) for i, t in enumerate(self.types)]
+        parts = [self._segment_weight(i) for i in range(len(self.types))]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qdot_kernels is not None and not x.is_cuda:
-            return qdot.matmul(self.qdot_kernels, 8, self.blocks0, x, self.out_features)
-        if (self.kernels is None or x.dim() != 2 or x.shape[0] > self.FEW_ROWS or x.dtype != torch.float32
-                or x.is_cuda):
+        cpu_rows = x.dim() == 2 and x.dtype == torch.float32 and not x.is_cuda
+        qdot_rows = (cpu_rows and self.qdot_kernels is not None
+                     and (x.shape[0] < self.MANY_ROWS or len(self.types) == 1 and self.dense is not None))
+        if not qdot_rows and (self.kernels is None or not cpu_rows or x.shape[0] > self.FEW_ROWS):
             return F.linear(x, (self.dequantize() if self.dense is None else self.dense).to(x.dtype))
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features)
-        for (buffer, kernel, start), ggml_type, rows in zip(self._segments, self.types, self.rows):
-            blocks, part = getattr(self, buffer), out[:, start : start + rows]
-            if kernel is not None:
+        for i, (buffer, kernel, start, bits) in enumerate(self._segments):
+            blocks, part = getattr(self, buffer), out[:, start : start + self.rows[i]]
+            if bits is not None and qdot_rows:
+                cpu_kernels.qdot_gemm(self.qdot_kernels, bits, blocks, x, part)
+            elif kernel is not None and bits is None and self.kernels is not None and x.shape[0] <= self.FEW_ROWS:
                 cpu_kernels.gguf_gemm(self.kernels, kernel, blocks, x, part)
             else:
-                part.copy_(F.linear(x, dequantize_blocks(ggml_type, blocks, self.in_features)))
+                part.copy_(F.linear(x, self._segment_weight(i)))
         return out
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", types=" + "|".join(t.name for t in self.types)
 
 
+def _blocks_to_tiles(ggml_type: GGMLQuantizationType, blocks: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A Q8_0 / Q4_0 / Q4_1 segment's blocks as qdot's tiles: the same integers and float16 scales."""
+    _, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    b = blocks.reshape(rows, cols // 32, block_bytes)
+    d = b[..., :2].contiguous().view(torch.float16).float().squeeze(-1)  # [rows, blocks]
+    if ggml_type == Q.Q8_0:
+        return qdot.pack_q8(b[..., 2:].contiguous().view(torch.int8).reshape(rows, cols), d)
+    qs = b[..., -16:]
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(rows, cols)  # low nibbles first, as dequantize_blocks
+    m = -8 * d if ggml_type == Q.Q4_0 else b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+    return qdot.pack_q4(q, d, m)
+
+
 def q8_0_head(weight: torch.Tensor) -> GGUFLinear:
     """A float output head ``[vocab, hidden]`` as Q8_0 blocks (gguf's own quantizer: one float16
-    scale per 32 weights, llama.cpp's usual head type), for ``use_block_head``; multiplied in int8
-    dot products where the kernels have them (the layers' int4 already rounds x)."""
+    scale per 32 weights, llama.cpp's usual head type), for ``use_block_head``."""
     blocks = np_quantize(weight.detach().float().cpu().numpy(), Q.Q8_0)
-    return GGUFLinear([Segment(Q.Q8_0, torch.from_numpy(blocks), weight.shape[0])], weight.shape[1],
-                      int8_activations=True)
+    return GGUFLinear([Segment(Q.Q8_0, torch.from_numpy(blocks), weight.shape[0])], weight.shape[1])
 
 
 def use_block_head(model, head: GGUFLinear) -> None:
