@@ -293,11 +293,11 @@ class Int4Linear(QuantLinear):
     def _bf16_weight(self) -> torch.Tensor:
         """The weight in bfloat16, ``(q - 8) * scale + zero`` from the kernel's packed layout (or
         ``q * d + m`` from qdot's)."""
-        if self.qdot_kernels is not None:
+        if self.qdot_kernels is not None:  # tinygemm's form, (q - 8) d + z: q d + m cancels in bfloat16
             q, d, m = qdot.unpack_q4(self.qweight, self.out_features, self.in_features)
-            bf16 = torch.bfloat16
-            blocks = q.view(self.out_features, -1, qdot.QK).to(bf16) * d[..., None].to(bf16) + m[..., None].to(bf16)
-            return blocks.view(self.out_features, self.in_features)
+            bf16, z = torch.bfloat16, (m + 8 * d).to(torch.bfloat16)  # the zero point (float16-rounded m)
+            groups = q.view(self.out_features, -1, qdot.QK).to(bf16) - 8
+            return (groups * d[..., None].to(bf16) + z[..., None]).view(self.out_features, self.in_features)
         q = unpack_cpu_int4(self.qweight, self.out_features, self.in_features)
         groups = q.view(self.out_features, -1, self.group_size).to(torch.bfloat16)
         scale, zero = self.scales_zeros.transpose(0, 1).unbind(-1)  # [out, in / group], bfloat16
