@@ -15,8 +15,8 @@
  *          float16 d: w = d * q, q in -127..127 (Q8_0's 8.5 bits)
  * (qdot.py packs both from plain integers.) A step is four inputs of every row of the tile: one
  * vpdpbusd per row of x adds them into its 16 lanes. Threads split the tiles; y has row stride ldy.
- * AVX2 without VNNI: 4-bit only, in vpmaddubsw (see there). qdot_available() says which; the
- * others return 1 and the callers keep their other kernels.
+ * AVX2 without VNNI: the same tiles through vpmaddubsw (see there). Without AVX2 the gemms return 1
+ * and qdot_available() 0: the callers keep their other kernels.
  */
 #include <math.h>
 #include <stdint.h>
@@ -166,13 +166,14 @@ DEFINE_GEMM(qdot_gemm_q4, q4_pass, Q4_TILE_BYTES, xs, 1)
 DEFINE_GEMM(qdot_gemm_q8, q8_pass, Q8_TILE_BYTES, qs, 2)
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-/* AVX2 has no int8 dot product with a 32-bit sum: vpmaddubsw adds pairs of byte products into 16
- * bits (15 * 127 * 2 at most), eight steps of them still fit, and vpmaddwd sums those once a block.
- * 4-bit only: 8-bit weights (up to 255 * 127 * 2) would saturate the pairs. A tile's 16 rows are two
- * 8-lane halves: the low nibbles (rows 0-7) and the high (rows 8-15). */
+/* AVX2 has no byte dot product with a 32-bit sum: vpmaddubsw adds pairs of (unsigned x signed) byte
+ * products into 16 bits. 4-bit: 15 * 127 * 2 a pair at most, so eight steps still fit and vpmaddwd
+ * sums them once a block. 8-bit: the weights made signed again (xor 0x80), |w| times x with w's
+ * sign (llama.cpp's trick: 127 * 127 * 2 fits), vpmaddwd every step. A tile's 16 rows are two
+ * 8-lane halves (4-bit: the low nibbles, rows 0-7, and the high; 8-bit: the step's two 32 bytes). */
 #include <immintrin.h>
 
-#define QDOT_KINDS 1 /* 4-bit */
+#define QDOT_KINDS 3 /* 4- and 8-bit */
 #define MR 2         /* rows of x per pass (16 registers) */
 
 static inline __attribute__((always_inline)) void q4_pass(const uint8_t *tile, int64_t nb, const int8_t *qx, int64_t k,
@@ -217,11 +218,48 @@ static inline __attribute__((always_inline)) void q4_pass(const uint8_t *tile, i
     }
 }
 
-DEFINE_GEMM(qdot_gemm_q4, q4_pass, Q4_TILE_BYTES, xs, 1)
-int qdot_gemm_q8(const uint8_t *w, const float *x, float *y, int64_t n, int64_t k, int64_t m, int64_t ldy) {
-    (void)w, (void)x, (void)y, (void)n, (void)k, (void)m, (void)ldy;
-    return 1;
+static inline __attribute__((always_inline)) void q8_pass(const uint8_t *tile, int64_t nb, const int8_t *qx, int64_t k,
+                                                         const float *dx, const int32_t *qs, float *y, int64_t ldy,
+                                                         const int MRC) {
+    (void)qs; /* (the +128 is undone on the weights) */
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const __m256 rest = _mm256_set1_ps(1.0f / 254.0f);
+    __m256 acc[MR][2];
+    for (int r = 0; r < MRC; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = tile + b * Q8_TILE_BYTES;
+        __m256i s[MR][2], l[MR][2];
+        for (int r = 0; r < MRC; r++) s[r][0] = s[r][1] = l[r][0] = l[r][1] = _mm256_setzero_si256();
+        for (int st = 0; st < 8; st++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 64 * st + 32 * h)), flip);
+                const __m256i wa = _mm256_abs_epi8(w);
+                for (int r = 0; r < MRC; r++) {
+                    int32_t four[2];
+                    memcpy(&four[0], qx + 2 * r * k + b * QK + 4 * st, 4);
+                    memcpy(&four[1], qx + (2 * r + 1) * k + b * QK + 4 * st, 4);
+                    const __m256i xh = _mm256_sign_epi8(_mm256_set1_epi32(four[0]), w),
+                                  xl = _mm256_sign_epi8(_mm256_set1_epi32(four[1]), w);
+                    s[r][h] = _mm256_add_epi32(s[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xh), ones));
+                    l[r][h] = _mm256_add_epi32(l[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xl), ones));
+                }
+            }
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 512 + 16 * h)));
+            for (int r = 0; r < MRC; r++) {
+                const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l[r][h]), rest, _mm256_cvtepi32_ps(s[r][h]));
+                acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < MRC; r++) {
+        _mm256_storeu_ps(y + r * ldy, acc[r][0]);
+        _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);
+    }
 }
+
+DEFINE_GEMM(qdot_gemm_q4, q4_pass, Q4_TILE_BYTES, xs, 1)
+DEFINE_GEMM(qdot_gemm_q8, q8_pass, Q8_TILE_BYTES, qs, 2)
 
 #else /* no AVX2 */
 
@@ -237,5 +275,6 @@ int qdot_gemm_q8(const uint8_t *w, const float *x, float *y, int64_t n, int64_t 
 
 #endif
 
-/* Which weights these kernels multiply here: 1 for 4-bit, 2 for 8-bit (bits of the answer). */
+/* Which weights these kernels multiply here: 1 for 4-bit, 2 for 8-bit (bits of the answer; both
+ * wherever there are kernels, kept apart for a build that has one). */
 int qdot_available(void) { return QDOT_KINDS; }

@@ -99,7 +99,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Linear(QuantLinear):
     """Per-output-row int8 weights: torch's kernel (``_weight_int8pack_mm``), or, where the C kernels
-    have int8 dot products (AVX-512 VNNI), ``cpu_qdot.c`` at every row count after
+    have byte dot products (AVX-512 VNNI or AVX2), ``cpu_qdot.c`` at every row count after
     ``prepare_for_cpu`` moves the weight to its layout (the row's scale repeated per 32 inputs)."""
 
     def __init__(self, weight: torch.Tensor):

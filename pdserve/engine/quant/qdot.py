@@ -15,7 +15,7 @@ F16_NORMAL = (2.0**-14, 65504.0)
 
 
 def supports(kernels, bits: int) -> bool:
-    """Whether these kernels multiply ``bits``-bit weights (4: AVX-512 VNNI or AVX2; 8: VNNI only)."""
+    """Whether these kernels multiply ``bits``-bit weights (AVX-512 VNNI or AVX2 builds: both)."""
     return kernels is not None and bool(kernels.qdot_available() & (1 if bits == 4 else 2))
 
 
