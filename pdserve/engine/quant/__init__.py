@@ -5,9 +5,12 @@ quantized drop-in of ``model.Linear`` after the float model is loaded. The embed
 The output head is read whole at every decode step (in the default model 108 MiB of float32
 against 62 MiB of int4 layers), so it is quantized too: under ``bf16`` to one bfloat16 table
 shared with the embedding; on CPU (Llama models), under ``gguf`` it multiplies from the file's own
-Q8_0/Q4 table and under ``int8``, ``int4`` and ``awq`` from Q8_0 blocks made at load (30 MiB; the
-C kernels of ``cpu_gguf.c``), the tied embedding looking up the same weights dequantised
-(``gguf_native.use_block_head``).
+Q8_0/Q4 table and under ``int8``, ``int4`` and ``awq`` from Q8_0 blocks made at load (30 MiB),
+the tied embedding looking up the same weights dequantised (``gguf_native.use_block_head``).
+
+On CPUs with AVX2 or AVX-512 VNNI, int8, int4, awq, gguf and those heads multiply in byte dot
+products (``csrc/cpu_qdot.c``, weights in ``qdot``'s tiles: 4.6 / 8.5 bits a weight), x split in
+two int8 parts per 32 inputs (~15 bits), below 256 rows; the heads at every row count.
 
 | method | what | module |
 |---|---|---|
@@ -15,7 +18,7 @@ C kernels of ``cpu_gguf.c``), the tied embedding looking up the same weights deq
 | ``int4`` | 4-bit, one scale and zero per ``quantization_group_size`` inputs | ``formats.Int4Linear`` |
 | ``awq`` | int4 after AWQ's activation-aware input scaling, calibrated at load | ``awq`` + ``Int4Linear`` |
 | ``fp8`` | float8 e4m3 weights and activations (CUDA GPUs with FP8 only) | ``formats.Fp8Linear`` |
-| ``gguf`` | a GGUF file's own blocks: decode multiplies from them, prefill dequantises | ``gguf_native.GGUFLinear`` |
+| ``gguf`` | a GGUF file's own blocks, bit for bit; long prefill chunks dequantise | ``gguf_native.GGUFLinear`` |
 | ``bf16`` | bfloat16 weights (output head and embedding too), float32 activations | ``formats.BF16Linear`` |
 """
 
