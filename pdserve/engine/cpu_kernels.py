@@ -207,6 +207,24 @@ def write_kv(lib, k, v, k_cache, v_cache, blocks: torch.Tensor, offsets: torch.T
                      offsets.data_ptr(), t, kvh, v_cache.shape[2], d, k.stride(0), v.stride(0))
 
 
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux for transparent huge pages (2 MiB) under a large CPU tensor not yet written (the KV
+    cache): its pages fault in on first write, which, in 4 KiB pages, made writing a 2,048-token
+    prefill's keys and values 5 ms a layer (~6% of the prefill); the kernel zeroes the same bytes
+    either way. Only the 2 MiB-aligned part is advised. False where refused (no THP, not Linux)."""
+    huge = 2 << 20
+    start = (t.data_ptr() + huge - 1) // huge * huge
+    end = (t.data_ptr() + t.numel() * t.element_size()) // huge * huge
+    if end <= start or platform.system() != "Linux":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return False
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(start, end - start, 14) == 0  # MADV_HUGEPAGE
+
+
 def keep_freed_memory() -> bool:
     """Make glibc's malloc reuse freed blocks instead of returning them to the OS.
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from pdserve.engine import cpu_kernels
 from pdserve.engine.attention import (
     AttentionMetadata,
     CpuPagedAttention,
@@ -58,7 +59,10 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
     # Not zeroed: zeroing gigabytes costs seconds at start-up (every page faulted in), and no
     # reader trusts a slot it did not write (the torch decode path zeroes the values it masks).
     shape = (num_slots or cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, block_size * cfg.head_dim)
-    return torch.empty(shape, dtype=dtype, device=device)
+    cache = torch.empty(shape, dtype=dtype, device=device)
+    if cache.device.type == "cpu":
+        cpu_kernels.advise_huge_pages(cache)  # first writes fault in 2 MiB at a time
+    return cache
 
 
 class ModelRunner:
