@@ -139,16 +139,11 @@ def test_gguf_segments_multiply_from_tiles_with_the_files_weights(lib, rows):
     file's weights bit for bit; x @ W^T to ~15 bits at any row count."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
-    from gguf.quants import quantize
 
-    from pdserve.engine.quant.gguf_native import GGUFLinear, Segment
+    from tests.engine.test_quantization import fused_gguf_layer
 
     rng = np.random.default_rng(rows)
-    segments = []
-    for qtype, n in ((Q.Q4_1, 48), (Q.Q8_0, 32), (Q.F16, 16), (Q.Q4_0, 48)):
-        w = rng.standard_normal((n, 96)).astype(np.float32)
-        segments.append(Segment(qtype, torch.from_numpy(quantize(w, qtype).view(np.uint8).reshape(n, -1).copy()), n))
-    layer = GGUFLinear(segments, 96)
+    layer = fused_gguf_layer(rng, ((Q.Q4_1, 48), (Q.Q8_0, 32), (Q.F16, 16), (Q.Q4_0, 48)))
     before = layer.dequantize()
     layer.prepare_for_cpu(1, lib)
     assert [bits for *_, bits in layer._segments] == [4, 8 if qdot.supports(lib, 8) else None, None, 4]

@@ -176,26 +176,33 @@ def test_gguf_blocks_dequantise_as_the_gguf_library_does():
         np.testing.assert_allclose(got.numpy(), dequantize(blocks, qtype), rtol=1e-6, atol=1e-6)
 
 
+def fused_gguf_layer(rng, segments, cols: int = 96) -> GGUFLinear:
+    """A fused projection of ``(GGML type, rows)`` segments of random weights, quantized by gguf."""
+    from gguf.quants import quantize
+
+    from pdserve.engine.quant.gguf_native import Segment
+
+    out = []
+    for qtype, n in segments:
+        w = rng.standard_normal((n, cols)).astype(np.float32)
+        out.append(Segment(qtype, torch.from_numpy(quantize(w, qtype).view(np.uint8).reshape(n, -1).copy()), n))
+    return GGUFLinear(out, cols)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
 def test_gguf_blocks_multiply_through_the_c_kernels_as_their_dequantised_weight(rows):
     """A fused projection of Q8_0, Q4_0, Q4_1 and F16 segments (F16 has no kernel: dequantised),
     multiplied from its blocks for a few rows, equals x @ W^T of the dequantised weight, each segment
     writing its own columns."""
     from gguf import GGMLQuantizationType as Q
-    from gguf.quants import quantize
 
     from pdserve.engine import cpu_kernels
-    from pdserve.engine.quant.gguf_native import Segment
 
     lib = cpu_kernels.load_kernels()
     if lib is None:
         pytest.skip("no C compiler here")
     rng = np.random.default_rng(rows)
-    segments = []
-    for qtype, n in ((Q.Q4_1, 40), (Q.Q8_0, 24), (Q.F16, 8), (Q.Q4_0, 36)):
-        w = rng.standard_normal((n, 96)).astype(np.float32)
-        segments.append(Segment(qtype, torch.from_numpy(quantize(w, qtype).view(np.uint8).reshape(n, -1).copy()), n))
-    layer = GGUFLinear(segments, 96)
+    layer = fused_gguf_layer(rng, ((Q.Q4_1, 40), (Q.Q8_0, 24), (Q.F16, 8), (Q.Q4_0, 36)))
     layer.prepare_for_cpu(1, lib)
     x = torch.from_numpy(rng.standard_normal((rows, 96)).astype(np.float32))
     want = x @ layer.dequantize().T

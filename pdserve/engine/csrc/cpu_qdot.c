@@ -96,6 +96,19 @@ static __attribute__((unused)) void qdot_quantize_rows(const float *restrict x, 
 #define QDOT_KINDS 3 /* 4- and 8-bit */
 #define MR 4         /* rows of x per pass over a tile */
 
+/* One step: the 64 weight bytes w (four inputs of the tile's 16 rows) times those inputs of the MRC
+ * rows of x, both parts: s += w . q, l += w . l (x's rows in qx as [row][2][k], from input at). */
+static inline __attribute__((always_inline)) void dot_step(__m512i *s, __m512i *l, __m512i w, const int8_t *qx,
+                                                          int64_t k, int64_t at, const int MRC) {
+    for (int r = 0; r < MRC; r++) {
+        int32_t four[2];
+        memcpy(&four[0], qx + 2 * r * k + at, 4);
+        memcpy(&four[1], qx + (2 * r + 1) * k + at, 4);
+        s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(four[0]));
+        l[r] = _mm512_dpbusd_epi32(l[r], w, _mm512_set1_epi32(four[1]));
+    }
+}
+
 static inline __attribute__((always_inline)) void q4_pass(const uint8_t *tile, int64_t nb, const int8_t *qx, int64_t k,
                                                          const float *dx, const float *xs, float *y, int64_t ldy,
                                                          const int MRC) {
@@ -110,13 +123,7 @@ static inline __attribute__((always_inline)) void q4_pass(const uint8_t *tile, i
         for (int st = 0; st < 8; st++) {
             __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 32 * st)));
             w = _mm512_and_si512(_mm512_srlv_epi64(w, shift), low);
-            for (int r = 0; r < MRC; r++) {
-                int32_t four[2];
-                memcpy(&four[0], qx + 2 * r * k + b * QK + 4 * st, 4);
-                memcpy(&four[1], qx + (2 * r + 1) * k + b * QK + 4 * st, 4);
-                s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(four[0]));
-                l[r] = _mm512_dpbusd_epi32(l[r], w, _mm512_set1_epi32(four[1]));
-            }
+            dot_step(s, l, w, qx, k, b * QK + 4 * st, MRC);
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256))),
                      mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256 + 32)));
@@ -144,13 +151,7 @@ static inline __attribute__((always_inline)) void q8_pass(const uint8_t *tile, i
         }
         for (int st = 0; st < 8; st++) {
             const __m512i w = _mm512_loadu_si512((const void *)(p + 64 * st));
-            for (int r = 0; r < MRC; r++) {
-                int32_t four[2];
-                memcpy(&four[0], qx + 2 * r * k + b * QK + 4 * st, 4);
-                memcpy(&four[1], qx + (2 * r + 1) * k + b * QK + 4 * st, 4);
-                s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(four[0]));
-                l[r] = _mm512_dpbusd_epi32(l[r], w, _mm512_set1_epi32(four[1]));
-            }
+            dot_step(s, l, w, qx, k, b * QK + 4 * st, MRC);
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 512))),
                      rest = _mm512_set1_ps(1.0f / 254.0f);
