@@ -291,9 +291,9 @@ class Int4Linear(QuantLinear):
         return dequantize_int4(self._plain_q(), s, z, self.group_size)
 
     def _bf16_weight(self) -> torch.Tensor:
-        """The weight in bfloat16, ``(q - 8) * scale + zero`` from the kernel's packed layout (or
-        ``q * d + m`` from qdot's)."""
-        if self.qdot_kernels is not None:  # tinygemm's form, (q - 8) d + z: q d + m cancels in bfloat16
+        """The weight in bfloat16, ``(q - 8) * scale + zero`` from the kernel's packed layout, or
+        from qdot's tiles in the same form (the zero point as ``m + 8 d``)."""
+        if self.qdot_kernels is not None:  # (q d + m, the tiles' own form, cancels in bfloat16)
             q, d, m = qdot.unpack_q4(self.qweight, self.out_features, self.in_features)
             bf16, z = torch.bfloat16, (m + 8 * d).to(torch.bfloat16)  # the zero point (float16-rounded m)
             groups = q.view(self.out_features, -1, qdot.QK).to(bf16) - 8

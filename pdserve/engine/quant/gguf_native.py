@@ -119,8 +119,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 class GGUFLinear(QuantLinear):
     """A projection as the file stores it: one segment of blocks per GGUF tensor it fuses.
 
-    On CPU, where the C kernels have byte dot products (``cpu_qdot.c``: AVX-512 VNNI for Q8_0, Q4_0
-    and Q4_1; AVX2 for the 4-bit two), ``prepare_for_cpu`` moves each such segment to their tiles,
+    On CPU, where the C kernels have byte dot products (``cpu_qdot.c``: AVX-512 VNNI or AVX2),
+    ``prepare_for_cpu`` moves each Q8_0 / Q4_0 / Q4_1 segment to their tiles,
     the file's own integers and float16 scales (Q4_0's offset as ``m = -8 d``), so the weights stay
     the file's bit for bit, and fewer than ``MANY_ROWS`` rows (the head: every row count) multiply
     there, x split in two int8 parts (~15 bits). Else up to ``FEW_ROWS`` float32 rows multiply from
@@ -131,7 +131,7 @@ class GGUFLinear(QuantLinear):
     """
 
     FEW_ROWS = 64
-    MANY_ROWS = 256  # (qdot against dequantising: level at 256 rows of SmolLM2's shapes)
+    MANY_ROWS = 256  # (Int4Linear's measured crossover against bfloat16; float32's not measured)
     QDOT_BITS = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4}
 
     def __init__(self, segments: list[Segment], in_features: int, dense: torch.Tensor | None = None):
