@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
@@ -125,6 +124,8 @@ class GGUFFile:
             return np.array(raw.view(np.float32).reshape(t.shape))
         block, block_bytes = GGML_QUANT_SIZES[ggml_type]
         rows = raw.reshape(*t.shape[:-1], t.shape[-1] // block * block_bytes)
+        import torch  # (here: the router reads GGUF tokenizers and never loads torch)
+
         from pdserve.engine.quant.gguf_native import TORCH_TYPES, dequantize_blocks
 
         if ggml_type in TORCH_TYPES:  # torch ops, bit for bit gguf.quants' float32 (4-6x faster: load time)
