@@ -11,7 +11,8 @@
  * across lanes once per output; x stays float32 (not quantised to int8 as llama.cpp does), so the
  * result is the float path's on the dequantised weight up to summation order. Threads split W's
  * rows. y has row stride ldy, so a fused projection's segments (each its own type) write their
- * columns of one output. */
+ * columns of one output. Where cpu_qdot.c can take a segment (AVX2 or AVX-512 VNNI, rows a multiple
+ * of 16) GGUFLinear moves it there instead: these kernels serve the rest. */
 #include <stdint.h>
 #include <string.h>
 
