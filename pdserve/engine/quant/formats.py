@@ -127,8 +127,7 @@ class Int8Linear(QuantLinear):
 
     def dequantize(self) -> torch.Tensor:
         if self.qdot_kernels is not None:
-            q, d = qdot.unpack_q8(self.qweight, self.out_features, self.in_features)
-            return q.float() * d.repeat_interleave(qdot.QK, 1)
+            return qdot.dequantize(self.qweight, 8, self.out_features, self.in_features)
         return self.qweight.float() * self.scales.float()[:, None]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -284,9 +283,7 @@ class Int4Linear(QuantLinear):
 
     def dequantize(self) -> torch.Tensor:
         if self.qdot_kernels is not None:
-            q, d, m = qdot.unpack_q4(self.qweight, self.out_features, self.in_features)
-            blocks = q.view(self.out_features, -1, qdot.QK).float() * d[..., None] + m[..., None]
-            return blocks.view(self.out_features, self.in_features)
+            return qdot.dequantize(self.qweight, 4, self.out_features, self.in_features)
         s, z = self.scales_zeros.float().transpose(0, 1).unbind(-1)
         return dequantize_int4(self._plain_q(), s, z, self.group_size)
 

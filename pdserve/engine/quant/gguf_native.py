@@ -166,12 +166,8 @@ class GGUFLinear(QuantLinear):
     def _segment_weight(self, i: int) -> torch.Tensor:
         buffer, _, _, bits = self._segments[i]
         blocks = getattr(self, buffer)
-        if bits == 4:
-            q, d, m = qdot.unpack_q4(blocks, self.rows[i], self.in_features)
-            return (q.view(self.rows[i], -1, qdot.QK).float() * d[..., None] + m[..., None]).view(self.rows[i], -1)
-        if bits == 8:
-            q, d = qdot.unpack_q8(blocks, self.rows[i], self.in_features)
-            return (q.view(self.rows[i], -1, qdot.QK).float() * d[..., None]).view(self.rows[i], -1)
+        if bits is not None:
+            return qdot.dequantize(blocks, bits, self.rows[i], self.in_features)
         return dequantize_blocks(self.types[i], blocks, self.in_features)
 
     def dequantize(self) -> torch.Tensor:

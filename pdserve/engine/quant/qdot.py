@@ -1,6 +1,6 @@
 """Weights laid out for ``cpu_qdot.c``'s integer dot products (see its header for the layout):
-tiles of 16 output rows, block by block of 32 inputs, each block's small integers then its float32
-scales (float16). ``matmul`` multiplies rows of x by one such weight."""
+tiles of 16 output rows, block by block of 32 inputs, each block's small integers then its float16
+scales. ``matmul`` multiplies rows of x by one such weight."""
 
 from __future__ import annotations
 
@@ -82,3 +82,12 @@ def unpack_q8(tiles: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.
 def _untile_scales(b: torch.Tensor, n: int) -> torch.Tensor:
     nb = b.shape[1]
     return b.contiguous().view(torch.float16).float().reshape(n // TILE, nb, TILE).transpose(1, 2).reshape(n, nb)
+
+
+def dequantize(tiles: torch.Tensor, bits: int, n: int, k: int) -> torch.Tensor:
+    """The float32 ``[n, k]`` weight the tiles hold (``d q + m`` or ``d q`` per block of 32)."""
+    if bits == 4:
+        q, d, m = unpack_q4(tiles, n, k)
+        return (q.view(n, -1, QK).float() * d[..., None] + m[..., None]).view(n, k)
+    q, d = unpack_q8(tiles, n, k)
+    return (q.view(n, -1, QK).float() * d[..., None]).view(n, k)
