@@ -338,9 +338,8 @@ class _PoolWorker:
             worker_id=f"{self.role}-{self.replica}", served_model_name=model, kv_backend=config.kv_transfer.backend,
             kv_lease_ms=config.kv_transfer.lease_ms, kv_reservation_ttl_ms=config.kv_transfer.reservation_ttl_ms,
             heartbeat_s=store_config.heartbeat_s, ttl_s=store_config.ttl_s)
-        loop = asyncio.get_running_loop()
-        engine = await loop.run_in_executor(None, LLMEngine, engine_config)
-        self.server = WorkerServer(engine, worker, self._servicer_cls())
+        # the engine loads in the thread that will step it (WorkerServer.start; see AsyncEngine)
+        self.server = WorkerServer(lambda: LLMEngine(engine_config), worker, self._servicer_cls())
         await self.server.start(_store_client(config, store))
         log.info("%s replica %s on node %s: worker %s at %s", self.role, self.replica, self.node_id,
                  worker.worker_id, self.server.address)

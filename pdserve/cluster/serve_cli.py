@@ -47,12 +47,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
                       "kv_reservation_ttl_ms": cluster.kv_transfer.reservation_ttl_ms,
                       **_registration_options(cluster.state_store), **collect_arguments(args, WorkerConfig)}
     worker = from_dict(WorkerConfig, worker_options)
-    engine = LLMEngine(worker_engine(cluster, worker))
+    engine_config = worker_engine(cluster, worker)
     if args.role == "prefill":
         from pdserve.prefill_worker.server import PrefillServicer as servicer
     else:
         from pdserve.decode_worker.server import DecodeServicer as servicer
-    asyncio.run(serve(engine, worker, servicer))
+    asyncio.run(serve(lambda: LLMEngine(engine_config), worker, servicer))  # loaded in its step loop's thread
     return 0
 
 

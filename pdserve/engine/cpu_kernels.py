@@ -207,22 +207,27 @@ def write_kv(lib, k, v, k_cache, v_cache, blocks: torch.Tensor, offsets: torch.T
                      offsets.data_ptr(), t, kvh, v_cache.shape[2], d, k.stride(0), v.stride(0))
 
 
-def advise_huge_pages(t: torch.Tensor) -> bool:
-    """Ask Linux for transparent huge pages (2 MiB) under a large CPU tensor not yet written (the KV
-    cache): its pages fault in on first write, which, in 4 KiB pages, made writing a 2,048-token
-    prefill's keys and values 5 ms a layer (~6% of the prefill); the kernel zeroes the same bytes
-    either way. Only the 2 MiB-aligned part is advised. False where refused (no THP, not Linux)."""
-    huge = 2 << 20
-    start = (t.data_ptr() + huge - 1) // huge * huge
-    end = (t.data_ptr() + t.numel() * t.element_size()) // huge * huge
-    if end <= start or platform.system() != "Linux":
+def keep_thread_serial() -> bool:
+    """Run torch's OpenMP work on one thread in the calling thread, and only in it: for the threads
+    beside the engine's step loop (a worker's event loop, the KV export thread), which may copy a
+    tensor now and then but must not get an OpenMP team of their own.
+
+    GNU OpenMP keeps a team of threads for every thread that ran a parallel region, and once the
+    process holds more of those threads than it has cores it shortens every team's wait for work
+    from ~3 ms of spinning to 100 spins, then sleep: the engine's team then sleeps between the
+    hundreds of parallel regions of a step and wakes through the kernel for each. On a 2-core Xeon
+    a decode step run in a thread other than the one that had loaded the model took 43 ms instead
+    of 28 (OMP_WAIT_POLICY=ACTIVE: 54, the first team spinning on a core). Returns whether it took
+    effect (torch on GNU OpenMP)."""
+    if not torch.backends.openmp.is_available():
         return False
+    torch.get_num_threads()  # torch's set-up of this thread first: on its first use it sets the count again
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        gomp = ctypes.CDLL("libgomp.so.1")  # the runtime torch loaded (same soname), not a second one
     except OSError:
         return False
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(start, end - start, 14) == 0  # MADV_HUGEPAGE
+    gomp.omp_set_num_threads(1)
+    return True
 
 
 def keep_freed_memory() -> bool:

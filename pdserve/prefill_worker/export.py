@@ -185,6 +185,9 @@ class _SenderThread:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        from pdserve.engine.cpu_kernels import keep_thread_serial
+
+        keep_thread_serial()  # its copies are small; an OpenMP team here would slow the engine's (AsyncEngine)
         while (item := self._queue.get()) is not None:
             if isinstance(item, threading.Event):  # flush(): everything before it was handed over
                 item.set()

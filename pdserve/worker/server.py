@@ -22,6 +22,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -43,12 +44,14 @@ MAX_MESSAGE_BYTES = 256 << 20  # a KV chunk (grpc backend) is far below it; gRPC
 class WorkerServer:
     """One worker's gRPC server around its engine, started and stopped by whoever hosts it.
 
-    ``servicer_cls``: the role (``DecodeServicer`` or ``PrefillServicer``), built once the port is
-    bound (its address is part of what it announces).
+    ``engine``: the engine, or a factory that builds it (``start`` loads it in the engine's loop
+    thread: on CPU the thread that steps the model must be the one that loaded it, see
+    ``AsyncEngine``). ``servicer_cls``: the role (``DecodeServicer`` or ``PrefillServicer``), built
+    once the port is bound (its address is part of what it announces).
     """
 
-    def __init__(self, engine: LLMEngine, config: WorkerConfig, servicer_cls: type[WorkerServicer]):
-        self.llm = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], config: WorkerConfig,
+                 servicer_cls: type[WorkerServicer]):
         self.config = config
         self.servicer_cls = servicer_cls
         self.engine = AsyncEngine(engine)
@@ -66,7 +69,7 @@ class WorkerServer:
         """Serve; returns the gRPC address (host:port). ``store``: a state store to register in
         (default: the Redis of ``config.redis``, or none)."""
         config, role = self.config, self.servicer_cls.role
-        self.engine.start()
+        await self.engine.start_async()  # a factory builds the engine in its loop thread (AsyncEngine)
         # the cluster token, if any, then bytes that are not the method's message (INVALID_ARGUMENT)
         server = grpc.aio.server(interceptors=[*server_interceptors(config.host), MalformedMessages()],
                                  options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -93,7 +96,7 @@ class WorkerServer:
             await self.registration.start()
         elif config.redis:
             self.registration = await register(servicer, config.redis, config.heartbeat_s, config.ttl_s)
-        log.info("%s worker %s serving %s on %s", role, worker_id, self.llm.model_name, self.address)
+        log.info("%s worker %s serving %s on %s", role, worker_id, self.engine.engine.model_name, self.address)
         return self.address
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -127,12 +130,14 @@ class WorkerServer:
                         self.servicer.worker_id, self.engine.num_active)
 
 
-async def serve(engine: LLMEngine, config: WorkerConfig, servicer_cls: type[WorkerServicer]) -> None:
-    """Serve until SIGTERM/SIGINT, then drain for up to ``grace_s`` and stop."""
-    gc.collect()
-    gc.freeze()  # the model and the engine live as long as the process: keep them out of full GC passes
+async def serve(engine: LLMEngine | Callable[[], LLMEngine], config: WorkerConfig,
+                servicer_cls: type[WorkerServicer]) -> None:
+    """Serve until SIGTERM/SIGINT, then drain for up to ``grace_s`` and stop. ``engine``: as
+    ``WorkerServer``'s (a factory: the engine is loaded in the thread that steps it)."""
     server = WorkerServer(engine, config, servicer_cls)
     address = await server.start()
+    gc.collect()
+    gc.freeze()  # the model and the engine live as long as the process: keep them out of full GC passes
     ready = f"PDSERVE_WORKER_READY {address}"
     if server.metrics_port is not None:
         ready += f" metrics={server.metrics_port}"

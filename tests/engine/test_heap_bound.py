@@ -58,27 +58,3 @@ def test_prompt_logprobs_of_growing_prompts_do_not_grow_the_heap_by_their_sum(ma
         while engine.has_unfinished():
             engine.step()
     assert _heap_bytes() - start < 256 << 20
-
-
-def test_the_kv_cache_is_advised_huge_pages():
-    """The CPU KV cache asks for 2 MiB pages: its first writes (every new block a prefill fills)
-    faulted in 4 KiB at a time before. Checked in the kernel's own view of the mapping."""
-    from pathlib import Path
-
-    from pdserve.engine.config import ModelConfig
-    from pdserve.engine.model_runner import allocate_kv_cache
-
-    if not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
-        pytest.skip("no transparent huge pages in this kernel")
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16)
-    cache = allocate_kv_cache(cfg, num_blocks=1024, block_size=16, dtype=torch.float32)  # 8 MiB
-    start = (cache.data_ptr() + (2 << 20) - 1) // (2 << 20) * (2 << 20)  # the advised part starts aligned
-    for line in Path("/proc/self/smaps").read_text().split("\n"):
-        if "-" in line.split(" ")[0] and not line.startswith("VmFlags"):
-            lo, hi = (int(x, 16) for x in line.split(" ")[0].split("-"))
-            inside = lo <= start < hi
-        elif line.startswith("VmFlags") and inside:
-            assert " hg" in line, line
-            return
-    pytest.fail("the cache's mapping was not found in /proc/self/smaps")
