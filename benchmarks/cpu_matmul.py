@@ -92,8 +92,7 @@ def candidates(x, w, packed, wb, packed_b, halves, lib, threads: int) -> dict:
     if packed_b is not None:
         cands["onednn_bf16"] = lambda: torch.ops.mkldnn._linear_pointwise(xb, packed_b, None, "none", [], "")
     if lib is not None and m <= 8:
-        kernel = cpu_kernels.gemv if m == 1 else cpu_kernels.gemm_rows
-        cands["c_rows"] = lambda: kernel(lib, w, x)
+        cands["c_rows"] = lambda: cpu_kernels.gemm_rows(lib, w, x)
     return cands
 
 

@@ -93,9 +93,7 @@ def load_kernels() -> ctypes.CDLL | None:
         "rms_norm_f32": [ptr] * 5 + [i64] * 2 + [f32],
         "silu_mul_f32": [ptr] * 2 + [i64] * 2,
         "write_kv_f32": [ptr] * 6 + [i64] * 6,
-        "gemv_f32": [ptr] * 3 + [i64] * 2,
         "gemm_rows_f32": [ptr] * 3 + [i64] * 3,
-        "gemv_bf16_f32": [ptr] * 3 + [i64] * 2,
         "gemm_rows_bf16_f32": [ptr] * 3 + [i64] * 3,
         "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32, i64],
         "paged_attention_f32_fits": [i64] * 4,
@@ -171,16 +169,6 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     rows, two_n = gate_up.shape
     out = torch.empty(rows, two_n // 2, dtype=gate_up.dtype)
     lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, two_n // 2)
-    return out
-
-
-def gemv(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for one float32 row ``x`` ``[1, k]``: ``weight`` ``[n, k]`` contiguous, float32
-    or bfloat16 (widened as it streams); float32 out."""
-    n, k = weight.shape
-    out = torch.empty(1, n, dtype=torch.float32)
-    kernel = lib.gemv_bf16_f32 if weight.dtype == torch.bfloat16 else lib.gemv_f32
-    kernel(weight.data_ptr(), x.data_ptr(), out.data_ptr(), n, k)
     return out
 
 

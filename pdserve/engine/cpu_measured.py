@@ -34,6 +34,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -152,5 +153,6 @@ def few_rows_for(layer: list, threads: int) -> int:
                       + ", ".join(f"{r} rows {c * 1e3:.2f}/{p * 1e3:.2f}" for r, (c, p) in seconds.items()))
 
     shapes = sorted(tuple(m.weight.shape) for m in layer)
+    build = Path(layer[0].kernels._name).stem  # the kernels' build (their sources' hash): a new kernel measures anew
     return kept(f"largest batch of rows through the C kernels (more: {layer[0].path})",
-                machine_key(layer[0].path, f"{threads} threads", shapes), timed)
+                machine_key(layer[0].path, f"{threads} threads", shapes, build), timed)

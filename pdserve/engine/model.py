@@ -24,11 +24,10 @@ from pdserve.engine.cpu_kernels import usable
 class Linear(nn.Module):
     """``y = x W^T`` (no bias), W of shape ``[out, in]`` as in Hugging Face checkpoints.
 
-    On CPU (after ``prepare_for_cpu``, with the path ``cpu_isa`` chose for this processor): one
-    row (single-request decode) goes through a C gemv that streams W's rows, split across
-    threads, and up to ``few_rows`` rows (measured per machine: ``cpu_measured``) through a C kernel
-    that reads each row of W once for all of them (25-45% faster than ``bmm`` at 2-7 rows; the
-    rows past a multiple of 4 in one more pass, not one pass each). More rows: with the ``onednn`` path,
+    On CPU (after ``prepare_for_cpu``, with the path ``cpu_isa`` chose for this processor): up to
+    ``few_rows`` rows (measured per machine: ``cpu_measured``; one row is single-request decode)
+    through a C kernel that streams W once for all of them, split across threads, in register
+    tiles of 4 rows of W by 4 rows of x (csrc/cpu_kernels.c ``gemm_rows``). More rows: with the ``onednn`` path,
     oneDNN with W packed once into its blocked layout (``_linear_pointwise``); with ``mkl``, up to
     ``SPLIT_MAX_ROWS`` rows W's rows are split into one contiguous half per thread and ``bmm``
     runs one single-threaded GEMM each (10-40% faster than one multi-threaded ``mm`` on 2 AVX2
@@ -87,8 +86,6 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows <= self.few_rows and self.kernels is not None and x.is_contiguous():
-            if rows == 1:
-                return cpu_kernels.gemv(self.kernels, self.weight, x)
             return cpu_kernels.gemm_rows(self.kernels, self.weight, x)
         return self.many_rows(x)
 

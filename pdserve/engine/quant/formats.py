@@ -346,8 +346,7 @@ class BF16Linear(QuantLinear):
         if rows <= self.FEW_ROWS and self.kernels is not None and x.dtype == torch.float32 and x.is_contiguous():
             from pdserve.engine import cpu_kernels
 
-            kernel = cpu_kernels.gemv if rows == 1 else cpu_kernels.gemm_rows
-            return kernel(self.kernels, self.qweight, x)
+            return cpu_kernels.gemm_rows(self.kernels, self.qweight, x)
         xb = x.to(torch.bfloat16)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "").to(x.dtype)
