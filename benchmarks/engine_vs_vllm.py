@@ -272,19 +272,25 @@ SERVERS = {"vllm": "vllm serve", "colocated": "pdserve colocated", "colocated-bf
 
 
 def serve_servers(args, port: int) -> dict[str, list[str]]:
-    """The servers compared (those --serve-servers names), each a command listening on ``port`` under
-    the checkpoint's path as its model name."""
+    """The servers compared (those --serve-servers names), each a command listening on its own port
+    (``port``, ``port + 1``, ...) under the checkpoint's path as its model name."""
     model = args.vllm_model
-    pd = [sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "serve", "--launcher", "processes",
-          "--port", str(port), "--served-model-name", model, "--no-enable-prefix-caching"]
+    names = args.serve_servers.split(",")
+    ports = {name: port + i for i, name in enumerate(names)}
+
+    def pd(name: str) -> list[str]:
+        return [sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "serve", "--launcher",
+                "processes", "--port", str(ports[name]), "--served-model-name", model, "--no-enable-prefix-caching"]
+
     commands = {
-        "vllm": [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "serve", model, "--dtype", "float32",
-                 "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096", "--no-enable-prefix-caching"],
-        "colocated": [*pd, "--prefill", "0", "--decode", "1"],
-        "colocated-bf16": [*pd, "--prefill", "0", "--decode", "1", "--quantization", "bf16"],
-        "1p1d": [*pd, "--prefill", "1", "--decode", "1"],
+        "vllm": lambda: [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "serve", model, "--dtype",
+                         "float32", "--host", "127.0.0.1", "--port", str(ports["vllm"]), "--max-model-len", "4096",
+                         "--no-enable-prefix-caching"],
+        "colocated": lambda: [*pd("colocated"), "--prefill", "0", "--decode", "1"],
+        "colocated-bf16": lambda: [*pd("colocated-bf16"), "--prefill", "0", "--decode", "1", "--quantization", "bf16"],
+        "1p1d": lambda: [*pd("1p1d"), "--prefill", "1", "--decode", "1"],
     }
-    return {SERVERS[name]: commands[name] for name in args.serve_servers.split(",")}
+    return {SERVERS[name]: (ports[name], commands[name]()) for name in names}
 
 
 def bench_serve(args, port: int, rate: float, out: Path, server: str) -> dict:
@@ -302,26 +308,51 @@ def bench_serve(args, port: int, rate: float, out: Path, server: str) -> dict:
     return json.loads((out / name).read_text())
 
 
+def machine_busy(seconds: float = 2.0) -> float:
+    """Cores the whole machine kept busy over the next ``seconds``."""
+    busy0, t0 = _busy_jiffies(), time.monotonic()
+    time.sleep(seconds)
+    return (_busy_jiffies() - busy0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0)
+
+
+def wait_idle(limit: float, wait_s: float) -> float:
+    """Wait (up to ``wait_s``) until the machine keeps fewer than ``limit`` cores busy over 2 s: the
+    servers up and idle, the last run's stragglers done. Returns the last reading."""
+    deadline = time.monotonic() + wait_s
+    while (busy := machine_busy()) > limit and time.monotonic() < deadline:
+        print(f"  waiting for an idle machine ({busy:.2f} cores busy > {limit})", file=sys.stderr, flush=True)
+    return busy
+
+
 def serve_comparison(args, out: Path) -> list[dict]:
+    """Every server up at once, each on its own port; then each rate run against each server in
+    turn, so that a slower hour of a shared machine lands on every server alike (on the KVM Xeon the
+    same offline prefill ran 388 ms and, an hour later, 457-474)."""
+    servers = serve_servers(args, args.serve_port)
+    wait_quiet(args.quiet_load, args.quiet_wait_s)
+    procs = {}
     rows = []
-    for server, cmd in serve_servers(args, args.serve_port).items():
-        wait_quiet(args.quiet_load, args.quiet_wait_s)
-        print(f"starting {server} ...", file=sys.stderr, flush=True)
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
-        try:
-            _wait_http(f"http://127.0.0.1:{args.serve_port}/health", proc, 900)
+    try:
+        for server, (port, cmd) in servers.items():
+            print(f"starting {server} on port {port} ...", file=sys.stderr, flush=True)
+            procs[server] = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
+        for server, (port, _) in servers.items():
+            _wait_http(f"http://127.0.0.1:{port}/health", procs[server], 900)
             if "pdserve" in server:
-                _wait_http(f"http://127.0.0.1:{args.serve_port}/ready", proc, 300)
-            for rate in [float(r) for r in args.serve_rates.split(",")]:
+                _wait_http(f"http://127.0.0.1:{port}/ready", procs[server], 300)
+        for rate in [float(r) for r in args.serve_rates.split(",")]:
+            for server, (port, _) in servers.items():
+                idle = wait_idle(args.idle_cores, 120)
                 busy0, t0 = _busy_jiffies(), time.monotonic()
-                result = bench_serve(args, args.serve_port, rate, out, server)
+                result = bench_serve(args, port, rate, out, server)
                 load = (_busy_jiffies() - busy0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0)
-                rows.append({"server": server, "rate": rate, "cores_busy": load,
+                rows.append({"server": server, "rate": rate, "cores_busy": load, "idle_before": idle,
                              **{k: result.get(k) for k in SERVE_METRICS}})
                 print(serve_table(rows[-1:]), file=sys.stderr, flush=True)
-        finally:
+    finally:
+        for proc in procs.values():
             _stop(proc)
-    return rows
+    return sorted(rows, key=lambda r: (list(servers).index(r["server"]), r["rate"]))
 
 
 def serve_table(rows: list[dict]) -> str:
@@ -376,7 +407,10 @@ def main() -> int:
     parser.add_argument("--serve-prompts", type=int, default=40, help="prompts per rate (default: 40)")
     parser.add_argument("--serve-input", type=int, default=512, help="prompt tokens (default: 512)")
     parser.add_argument("--serve-output", type=int, default=128, help="output tokens (default: 128)")
-    parser.add_argument("--serve-port", type=int, default=18123, help="port the servers listen on (default: 18123)")
+    parser.add_argument("--serve-port", type=int, default=18123,
+                        help="port of the first server; the others listen on the next ones (default: 18123)")
+    parser.add_argument("--idle-cores", type=float, default=0.3,
+                        help="--serve: before each run, wait until the machine keeps fewer cores busy (default: 0.3)")
     parser.add_argument("--slo-ttft-ms", type=float, default=1000, help="goodput SLO: p90 TTFT (default: 1000)")
     parser.add_argument("--slo-tpot-ms", type=float, default=100, help="goodput SLO: p90 TPOT (default: 100)")
     parser.add_argument("--skip-offline", action="store_true", help="only the serving comparison")
