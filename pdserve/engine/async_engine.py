@@ -225,9 +225,8 @@ class AsyncEngine:
                 except BaseException as e:  # start() raises it
                     self.error = e
                     log.exception("building the engine failed")
-                    return
-                finally:
                     self._built.set()
+                    return
             self._built.set()
             while not self._stop.is_set():
                 self._apply_commands()
