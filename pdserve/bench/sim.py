@@ -756,10 +756,10 @@ class _Simulation:
         if self.index is not None:  # cache_aware (its workers are always tracked, unlike a live router's)
             flow.keys = prompt_keys(prompt, self.fingerprint, bs)
             cached = predicted_cached(flow.keys, self.index, (self.recent or {}).values(), self.now, bs)
-        req = RouteRequest(len(prompt), cached)
         now, poll_s = self.now, self.config.poll_interval_s
         prefills = [w.load(now, poll_s) for w in self._routable("prefill")]
-        return RouteRequest(len(prompt), cached, cost.cheapest_remote_s(prefills, req, self.cost))
+        # Every replica on hardware of its own: no contention between them (pdserve/compute_id.py).
+        return cost.with_remote(RouteRequest(len(prompt), cached), prefills, self.cost)
 
     def _pick(self, role: str, route: RouteRequest, tried: set[str], flow: _Flow) -> _Replica | None:
         policy = self.decode_policy if role == "decode" else self.prefill_policy
@@ -802,8 +802,10 @@ class _Simulation:
                 break
         cached = request.num_computed_tokens
         uncached = route.prompt_tokens - cached
-        local_s = cost.local_prefill_s(self._load(decode), uncached, self.cost)
-        remote_s = None if route.remote_s is None else cost.via_remote_s(route.remote_s, uncached, self.cost)
+        load = self._load(decode)
+        local_s = cost.local_prefill_s(load, uncached, self.cost)
+        remote_s = None if route.remote_s is None else (cost.via_remote_s(route.remote_s, uncached, self.cost)
+                                                        + cost.remote_interference_s(load, route, self.cost))
         where = prefill_route(PrefillInputs(route.prompt_tokens, True, True, cached, local_s=local_s,
                                             remote_s=remote_s), self.config.disaggregation)
         self._count(where)

@@ -16,6 +16,10 @@ For a request of P prompt tokens, with c_w of them predicted cached on worker w:
                      the requests joining it meanwhile, counted as one more, for t)
     remote(p)      = queue(p) + uncached(p) / rate(p) + shortfall(p, uncached(p))     (a prefill worker)
     via_remote(d)  = min_p remote(p) + transfer_s_per_token x uncached(d) + remote_overhead_s
+                     [+ interference x uncached(p*) / rate(p*) x (batch(d) + 1)   when p*, the cheapest
+                     prefill worker, contends with d for compute (pdserve/compute_id.py: both on the
+                     same oversubscribed cores or GPU): its prefill then holds d's batch as a local
+                     one would, and only the compute it repeats is gained by sending it there]
     decode(d)      = decode_horizon_tokens x (step(d) + decode_step_s_per_seq x (batch(d) + 1))
                      (its own tokens, and the slowdown it adds to every sequence in the batch)
     shortfall(w,n) = max(n - free KV tokens(w), 0) / rate(w)
@@ -62,6 +66,8 @@ class RouteRequest:
     prompt_tokens: int
     cached: Mapping[str, int] = field(default_factory=dict)  # worker -> leading tokens predicted cached there
     remote_s: float | None = None  # the cheapest remote prefill (min_p remote(p)); None: no prefill worker
+    remote_compute_s: float = 0.0  # of it, the prefill worker's compute: uncached(p*) / rate(p*)
+    shares_remote: frozenset[str] = frozenset()  # decode workers contending with p* for compute
 
 
 def batch(w: WorkerLoad) -> int:
@@ -117,6 +123,14 @@ def via_remote_s(remote_s: float, uncached_on_decode: int, m: CostModel) -> floa
     return remote_s + m.transfer_s_per_token * uncached_on_decode + m.remote_overhead_s
 
 
+def remote_interference_s(w: WorkerLoad, req: RouteRequest, m: CostModel) -> float:
+    """What the remote prefill delays decode worker ``w``'s batch by when the two contend for compute
+    (``RouteRequest.shares_remote``), as ``local_prefill_s`` counts a local one's; else 0."""
+    if w.worker_id not in req.shares_remote:
+        return 0.0
+    return m.interference * req.remote_compute_s * (batch(w) + 1)
+
+
 def decode_s(w: WorkerLoad, m: CostModel) -> float:
     return m.decode_horizon_tokens * (step_s(w, m) + m.decode_step_s_per_seq * (batch(w) + 1))
 
@@ -134,6 +148,7 @@ def decode_costs(workers: Iterable[WorkerLoad], req: RouteRequest, m: CostModel)
     base, per_seq, horizon = m.decode_step_s, m.decode_step_s_per_seq, m.decode_horizon_tokens
     default_rate, interference = m.prefill_tokens_per_s, m.interference
     remote, overhead = req.remote_s, m.remote_overhead_s
+    shares, held = req.shares_remote, interference * req.remote_compute_s
     per_token, prompt, cached = m.transfer_s_per_token, req.prompt_tokens, req.cached
     out = []
     for w in workers:
@@ -154,6 +169,8 @@ def decode_costs(workers: Iterable[WorkerLoad], req: RouteRequest, m: CostModel)
         prefill = queued / r + t + interference * t * (b + 1)
         if remote is not None:
             via = remote + per_token * u + overhead  # as via_remote_s adds them
+            if shares and w.worker_id in shares:
+                via += held * (b + 1)  # remote_interference_s
             if via < prefill:
                 prefill = via
         need = u + horizon
@@ -165,7 +182,28 @@ def decode_costs(workers: Iterable[WorkerLoad], req: RouteRequest, m: CostModel)
 
 
 def cheapest_remote_s(prefills: Sequence[WorkerLoad], req: RouteRequest, m: CostModel) -> float | None:
-    return min((remote_prefill_s(p, req, m) for p in prefills), default=None)
+    best = cheapest_remote(prefills, req, m)
+    return None if best is None else best[1]
+
+
+def cheapest_remote(prefills: Sequence[WorkerLoad], req: RouteRequest,
+                    m: CostModel) -> tuple[WorkerLoad, float] | None:
+    """The prefill worker of the least ``remote_prefill_s`` and that cost (None: no prefill worker)."""
+    return min(((p, remote_prefill_s(p, req, m)) for p in prefills), key=lambda pc: pc[1], default=None)
+
+
+def with_remote(req: RouteRequest, prefills: Sequence[WorkerLoad], m: CostModel,
+                contention: Mapping[str, frozenset[str]] | None = None) -> RouteRequest:
+    """``req`` with its cheapest remote prefill: the cost, and, where that prefill worker contends
+    with decode workers for compute (``contention``: worker id -> the workers it contends with,
+    pdserve/compute_id.py), its compute seconds and those decode workers."""
+    best = cheapest_remote(prefills, req, m)
+    if best is None:
+        return RouteRequest(req.prompt_tokens, req.cached)
+    p, remote = best
+    shares = (contention or {}).get(p.worker_id, frozenset())
+    compute = uncached(p, req) / rate(p, m) if shares else 0.0
+    return RouteRequest(req.prompt_tokens, req.cached, remote, compute, shares)
 
 
 def least(costs: Iterable[tuple[str, float]], rng: random.Random) -> str | None:

@@ -157,9 +157,10 @@ class Dispatcher:
                                       time.monotonic(), info.block_size)
             self.metrics.decision_seconds.labels("prompt_keys").observe(hashed - started)
             self.metrics.decision_seconds.labels("lookup").observe(time.perf_counter() - hashed)
-        req = RouteRequest(len(prompt), cached)
         prefills = [w.load() for w in self.pool.healthy("prefill")]
-        return _Route(RouteRequest(len(prompt), cached, cost.cheapest_remote_s(prefills, req, self.cost_model)), keys)
+        req = cost.with_remote(RouteRequest(len(prompt), cached), prefills, self.cost_model,
+                               self.pool.contention() if prefills else None)
+        return _Route(req, keys)
 
     def _first_leg(self, request: pb.GenerateRequest, route: _Route) -> AsyncIterator[pb.GenerateResponse]:
         prompt = len(request.prompt_token_ids)
@@ -328,8 +329,10 @@ class Dispatcher:
         """The second decision's inputs: the decode worker's real hit, and both ways in predicted seconds."""
         m, prompt = self.cost_model, len(request.prompt_token_ids)
         uncached = prompt - reservation.cached_tokens
-        local_s = cost.local_prefill_s(decode.load(), uncached, m)
-        remote_s = None if req.remote_s is None else cost.via_remote_s(req.remote_s, uncached, m)
+        load = decode.load()
+        local_s = cost.local_prefill_s(load, uncached, m)
+        remote_s = None if req.remote_s is None else (cost.via_remote_s(req.remote_s, uncached, m)
+                                                       + cost.remote_interference_s(load, req, m))
         return PrefillInputs(prompt, True, True, reservation.cached_tokens, local_s=local_s, remote_s=remote_s)
 
     async def _reserve(self, request: pb.GenerateRequest,

@@ -65,3 +65,6 @@ class ModelWorkers:
 
     def model_info(self) -> pb.WorkerInfo | None:
         return model_info(self.workers)
+
+    def contention(self) -> dict[str, frozenset[str]]:
+        return self.pool.contention()  # every model's workers compete for the same compute

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve import cluster_token
+from pdserve import cluster_token, compute_id
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.router.policy import WorkerLoad
@@ -72,6 +72,7 @@ class WorkerPool:
         # Called with (worker, in rotation?) as it joins or leaves (the prefix index drops a leaving
         # worker's entries at once and resyncs a joining one); they must not block.
         self.listeners: list[Callable[[WorkerHandle, bool], None]] = []
+        self._contention: tuple[tuple, dict[str, frozenset[str]]] = ((), {})
 
     async def start(self) -> None:
         """Open the channels (in the running event loop), poll once, keep polling."""
@@ -177,6 +178,14 @@ class WorkerPool:
 
     def model_info(self) -> pb.WorkerInfo | None:
         return model_info(self.workers)
+
+    def contention(self) -> dict[str, frozenset[str]]:
+        """Worker id -> the workers it contends with for compute (pdserve/compute_id.py), over every
+        worker that has described itself; worked out again when one joins, leaves or changes."""
+        key = tuple((w.worker_id, w.info.compute) for w in self.workers if w.info is not None)
+        if key != self._contention[0]:
+            self._contention = (key, compute_id.contention(dict(key)))
+        return self._contention[1]
 
 
 def model_info(workers: list[WorkerHandle]) -> pb.WorkerInfo | None:

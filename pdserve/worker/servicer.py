@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Coroutine
 import grpc
 
 import pdserve
+from pdserve import compute_id
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import RequestOutput
@@ -58,6 +59,18 @@ async def abort_if_timed_out(out: RequestOutput, queue_timeout_s: float, context
                             f"starting (requests of a higher service class went ahead of it)")
 
 
+def engine_compute(engine: LLMEngine) -> str:
+    """What the engine computes on, as routers read it (pdserve/compute_id.py): its GPU, or its CPUs
+    and threads (the configured ones, else one per CPU it may use)."""
+    if engine.config.device == "cuda":
+        import torch
+
+        index = torch.cuda.current_device()
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        return compute_id.cuda_compute(str(uuid) if uuid else str(index))
+    return compute_id.cpu_compute(engine.config.num_threads)
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
     """The RPCs both roles serve. A role sets ``role``, adds its RPCs, and may override the hooks:
     ``_start`` (how Generate gets its output stream), ``abort``, ``on_start`` and
@@ -73,6 +86,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.draining = False
         self.metrics = WorkerMetrics(engine.engine.kv.pool.events)
         self.layout = engine_layout(engine.engine)
+        self.compute = engine_compute(engine.engine)
 
     @property
     def model_name(self) -> str:
@@ -185,7 +199,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.WorkerInfo(
             worker_id=self.worker_id, role=self.role, model=self.model_name,
             model_fingerprint=self.layout.model_fingerprint, max_model_len=engine.max_model_len,
-            block_size=engine.block_size, version=pdserve.__version__,
+            block_size=engine.block_size, version=pdserve.__version__, compute=self.compute,
         )
 
     async def KVSnapshot(self, request, context) -> pb.KVSnapshotResponse:

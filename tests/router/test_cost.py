@@ -150,13 +150,15 @@ def test_decision_with_64_workers_takes_well_under_a_millisecond():
                                load("a", running=2, step=0.002), load("a", inflight=7),
                                load("a", running=1, prefill_tps=900.0, free=200), load("a", free=100_000)])
 @pytest.mark.parametrize("req", [RouteRequest(700), RouteRequest(700, {"a": 640}), RouteRequest(700, remote_s=0.3),
-                                 RouteRequest(700, {"a": 320}, remote_s=5.0)])
+                                 RouteRequest(700, {"a": 320}, remote_s=5.0),
+                                 RouteRequest(700, {"a": 640}, 0.3, 0.25, frozenset({"a"})),
+                                 RouteRequest(700, {"a": 320}, 0.3, 0.25, frozenset({"b"}))])
 def test_decode_cost_is_its_terms(w, req):
     """``decode_cost`` is written out in one body for speed: the same as the terms it documents."""
     u = cost.uncached(w, req)
     prefill = cost.local_prefill_s(w, u, M)
     if req.remote_s is not None:
-        prefill = min(prefill, cost.via_remote_s(req.remote_s, u, M))
+        prefill = min(prefill, cost.via_remote_s(req.remote_s, u, M) + cost.remote_interference_s(w, req, M))
     shortfall = cost.shortfall_s(w, u + M.decode_horizon_tokens, M)
     assert cost.decode_cost(w, req, M) == pytest.approx(cost.decode_s(w, M) + prefill + shortfall)
 
@@ -173,3 +175,27 @@ def test_policy_names_are_the_configs_choices_and_an_unknown_one_is_refused_nami
     with pytest.raises(ConfigError, match=r"router\.policy: 'fastest' is not one of \['cache_aware', 'least_loaded', "
                                           r"'round_robin', 'random'\]"):
         from_dict(RouterConfig, {"policy": "fastest"}, owner="router")
+
+
+def test_a_prefill_worker_on_the_decode_workers_cores_holds_its_batch_too():
+    """A chat turn: 600 tokens of context, 500 cached on decode worker d (batch 3), none on the prefill
+    worker p; the default interference (2). On hardware of its own, p's prefill (1.2 s) holds nobody,
+    so it is cheaper than the 100 tokens here, which hold d's batch (0.2 s + 2 x 0.2 s x 4); when p
+    contends with d for compute (pdserve/compute_id.py), p's 1.2 s holds d's batch as well and the
+    turn stays on d."""
+    M = CostModel()
+    d, p = load("d", running=3), load("p")
+    req = RouteRequest(600, {"d": 500})
+    local = cost.local_prefill_s(d, 100, M)
+    assert local == pytest.approx(0.2 + 2 * 0.2 * 4)
+    alone = cost.with_remote(req, [p], M)
+    assert alone.remote_s == pytest.approx(1.2) and alone.shares_remote == frozenset()
+    assert cost.via_remote_s(alone.remote_s, 100, M) + cost.remote_interference_s(d, alone, M) < local
+    shared = cost.with_remote(req, [p], M, {"p": frozenset({"d"}), "d": frozenset({"p"})})
+    assert shared.remote_compute_s == pytest.approx(1.2)
+    assert cost.remote_interference_s(d, shared, M) == pytest.approx(2 * 1.2 * 4)
+    assert cost.via_remote_s(shared.remote_s, 100, M) + cost.remote_interference_s(d, shared, M) > local
+    # the cheapest prefill worker is the one compared, and a decode worker it does not contend with pays nothing
+    q = load("q", waiting_tokens=5000)
+    assert cost.with_remote(req, [q, p], M, {"p": frozenset({"d"})}).shares_remote == {"d"}
+    assert cost.remote_interference_s(load("e", running=3), shared, M) == 0.0
