@@ -50,8 +50,8 @@ class LazyRequests(Sequence):
             if chunk != self._chunk:  # one draw per chunk of prompts
                 rng = np.random.default_rng([self.seed, chunk])
                 self._chunk, self._tokens = chunk, rng.integers(100, 40000, (self.CHUNK, self.input_len))
-            if len(self._built) > 4:
-                self._built.clear()
+            if len(self._built) >= 4:  # the oldest out (the simulation asks for the next arrival, then this one)
+                del self._built[next(iter(self._built))]
             self._built[i] = SimRequest(i, float(self.arrivals[i]), self._tokens[i % self.CHUNK].tolist(),
                                         self.output_len)
         return self._built[i]

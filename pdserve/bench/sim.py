@@ -239,7 +239,11 @@ def weighted_stats_ms(values, counts) -> dict[str, float]:
 def simulate(config: SimConfig, profile: Profile, requests: list[SimRequest]) -> SimResult:
     """Run the cluster on the requests (sorted by arrival) until every request has finished."""
     with _no_cyclic_collections():
-        return _Simulation(config, profile, requests).run()
+        sim = _Simulation(config, profile, requests)
+        try:
+            return sim.run()
+        finally:
+            sim.close()
 
 
 @contextlib.contextmanager
@@ -687,6 +691,19 @@ class _Simulation:
         for role, n in (("prefill", config.prefill_replicas), ("decode", config.decode_replicas)):
             for _ in range(n):
                 self._ready(self._add_replica(role))
+
+    def close(self) -> None:
+        """Its own reference cycles broken (the indexes that watch its replicas, the recent quantiles'
+        clocks, events left unrun), so that reference counting frees it when it is dropped. Left to the
+        cyclic collector, its millions of blocks cost a full collection when the collector came back
+        on: 6 s after 100,000 requests on 1,000 replicas."""
+        for index in self._indexes.values():
+            index.close()
+        self._indexes.clear()
+        for replica in self.replicas:
+            replica.watch, replica.run = None, None
+        self.ttft = self.tpot = None
+        self._heap.clear()
 
     # ---- the event loop ------------------------------------------------------------------------
 

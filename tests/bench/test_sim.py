@@ -285,10 +285,13 @@ def test_a_simulation_makes_no_cyclic_garbage(policy):
         sim = _Simulation(config, PROFILE, mixed_requests(300, 80.0, seed=12))
         result = sim.run()
         found = gc.collect()  # the simulation still held: only garbage its requests left is unreachable
+        sim.close()
+        del sim
+        left = gc.collect()  # closed and dropped: reference counting freed all of it
     finally:
         if enabled:
             gc.enable()
     assert sum(s.preemptions for s in result.replicas) > 0 and sum(s.prefix_hits for s in result.replicas) > 0
     assert len(result.replicas) > 5 and {"remote", "local_short"} <= set(result.decisions)
-    assert found == 0
+    assert found == 0 and left == 0
     assert gc.isenabled() == enabled
