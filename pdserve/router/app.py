@@ -107,6 +107,10 @@ class RouterConfig:
     cost_decode_horizon_tokens: int = doc(16, "cost model: output tokens over which a decode slowdown is counted")
     cost_interference: float = doc(2.0, "cost model: weight of a local prefill's delay to its decode batch "
                                         "(higher: more remote prefill)")
+    cost_contention: bool = doc(True, "cost model: a remote prefill on a prefill worker that contends with the "
+                                      "decode worker for compute (the same GPU, or oversubscribed shared CPUs, as "
+                                      "the workers describe themselves) delays that worker's batch as a local one "
+                                      "would; off: every worker counts as on hardware of its own")
     recent_routes_s: float = doc(5.0, "cache_aware: for this long, a prompt's blocks count as held where this router "
                                       "sent it (the workers' KV events reach the index a heartbeat or more later); "
                                       "without a state store, the only prefix knowledge, kept until newer routes "
@@ -150,7 +154,7 @@ class RouterConfig:
     def cost_model(self) -> CostModel:
         return CostModel(self.cost_prefill_tokens_per_s, self.cost_decode_step_s, self.cost_decode_step_s_per_seq,
                          self.cost_transfer_s_per_token, self.cost_remote_overhead_s, self.cost_decode_horizon_tokens,
-                         self.cost_interference, self.policy_temperature)
+                         self.cost_interference, self.policy_temperature, self.cost_contention)
 
 
 # Bodies up to this size are parsed and tokenised on the event loop (a millisecond or two); larger

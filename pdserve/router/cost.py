@@ -57,6 +57,7 @@ class CostModel:
     decode_horizon_tokens: int = 16  # output tokens over which the decode slowdown is counted
     interference: float = 2.0  # weight of a local prefill's delay to the decode batch it holds
     temperature: float = 0.0  # 0: least cost (ties at random); > 0: softmax over -cost / temperature
+    contention: bool = True  # count a contending prefill worker's delay to the decode batch (with_remote)
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ def with_remote(req: RouteRequest, prefills: Sequence[WorkerLoad], m: CostModel,
     if best is None:
         return RouteRequest(req.prompt_tokens, req.cached)
     p, remote = best
-    shares = (contention or {}).get(p.worker_id, frozenset())
+    shares = (contention or {}).get(p.worker_id, frozenset()) if m.contention else frozenset()
     compute = uncached(p, req) / rate(p, m) if shares else 0.0
     return RouteRequest(req.prompt_tokens, req.cached, remote, compute, shares)
 

@@ -16,7 +16,7 @@ from tests.integration.conftest import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.integration
 MODEL = "smollm2-135m-instruct"
-DISAGG = ["--disagg-min-prompt-tokens", "16", "--disagg-min-uncached-tokens", "8"]
+DISAGG = ["--disagg-min-prompt-tokens", "16", "--disagg-min-uncached-tokens", "8", "--no-cost-contention"]
 ENGINE = ["--kv-cache-memory-gb", "0.25"]
 
 

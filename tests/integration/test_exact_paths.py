@@ -22,7 +22,7 @@ from tests.integration.conftest import free_port, start_cluster, stop_cluster
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MODEL = "smollm2-135m-instruct"
 # Every prompt goes to the prefill worker, also when the decode worker has it cached.
-DISAGG = ["--disagg-min-prompt-tokens", "16", "--disagg-min-uncached-tokens", "0"]
+DISAGG = ["--disagg-min-prompt-tokens", "16", "--disagg-min-uncached-tokens", "0", "--no-cost-contention"]
 ENGINE = ["--kv-cache-memory-gb", "0.25"]
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea."]
 

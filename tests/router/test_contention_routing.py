@@ -39,15 +39,16 @@ class _Prefill:
         return ScriptedCall([pb.PrefillResponse(first=_tokens(6))])
 
 
-@pytest.mark.parametrize("prefill_compute, decode_compute, remote", [
-    ("", "", True),  # workers that do not say (older ones): as before, each on hardware of its own
-    ("h/cpu/0/1", "h/cpu/1/1", True),  # pinned to a core each
-    ("h/cpu/0-1/2", "h/cpu/0-1/2", False),  # four threads on two cores
-    ("h/cuda/GPU-1", "h/cuda/GPU-2", True),
-    ("h/cuda/GPU-1", "h/cuda/GPU-1", False),
+@pytest.mark.parametrize("prefill_compute, decode_compute, config, remote", [
+    ("", "", {}, True),  # workers that do not say (older ones): as before, each on hardware of its own
+    ("h/cpu/0/1", "h/cpu/1/1", {}, True),  # pinned to a core each
+    ("h/cpu/0-1/2", "h/cpu/0-1/2", {}, False),  # four threads on two cores
+    ("h/cpu/0-1/2", "h/cpu/0-1/2", {"cost_contention": False}, True),  # the operator turned the term off
+    ("h/cuda/GPU-1", "h/cuda/GPU-2", {}, True),
+    ("h/cuda/GPU-1", "h/cuda/GPU-1", {}, False),
 ])
 def test_a_cold_prompt_goes_to_the_prefill_worker_only_when_that_takes_work_off_the_decode_worker(
-        make_client, prefill_compute, decode_compute, remote):
+        make_client, prefill_compute, decode_compute, config, remote):
     """A 600-token prompt nobody has cached, an idle decode worker: prefilled remotely it costs the
     prefill (1.2 s at the model's 500 tokens/s) and the transfer, locally 1.2 s and the delay it adds
     to the decode batch. When both workers compute on the same oversubscribed cores or GPU, the
@@ -56,7 +57,7 @@ def test_a_cold_prompt_goes_to_the_prefill_worker_only_when_that_takes_work_off_
     workers = [in_rotation("prefill"), in_rotation("decode")]
     for w, stub, compute in zip(workers, (prefill, decode), (prefill_compute, decode_compute)):
         w.stub, w.info.compute = stub, compute
-    client = make_client(workers)
+    client = make_client(workers, **config)
     r = run(client.post("/v1/completions", json={"model": MODEL, "prompt": list(range(100, 700)), "max_tokens": 3}))
     assert r.status_code == 200, r.text
     assert prefill.calls == (1 if remote else 0)
