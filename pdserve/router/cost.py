@@ -182,11 +182,6 @@ def decode_costs(workers: Iterable[WorkerLoad], req: RouteRequest, m: CostModel)
     return out
 
 
-def cheapest_remote_s(prefills: Sequence[WorkerLoad], req: RouteRequest, m: CostModel) -> float | None:
-    best = cheapest_remote(prefills, req, m)
-    return None if best is None else best[1]
-
-
 def cheapest_remote(prefills: Sequence[WorkerLoad], req: RouteRequest,
                     m: CostModel) -> tuple[WorkerLoad, float] | None:
     """The prefill worker of the least ``remote_prefill_s`` and that cost (None: no prefill worker)."""
