@@ -327,8 +327,10 @@ class Router:
         @app.get("/ready")
         async def ready():
             ok, reason = self.readiness()
+            contention = self.pool.contention()  # what each says it computes on, and whom it contends with
             workers = [{"address": w.address, "worker_id": w.worker_id, "role": w.info.role if w.info else None,
-                        "healthy": w.healthy} for w in self.pool.workers]
+                        "healthy": w.healthy, "compute": w.info.compute if w.info else None,
+                        "contends_with": sorted(contention.get(w.worker_id, ()))} for w in self.pool.workers]
             return JSONResponse({"ready": ok, "reason": reason, "workers": workers}, status_code=200 if ok else 503)
 
         @app.get("/metrics")

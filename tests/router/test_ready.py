@@ -16,7 +16,16 @@ def test_a_prefill_worker_alone_is_not_ready(make_client):
     assert status == 503 and body["ready"] is False
     assert "no decode worker in rotation" in body["reason"] and "1 prefill in rotation" in body["reason"]
     assert body["workers"] == [{"address": "127.0.0.1:17", "worker_id": "prefill-0", "role": "prefill",
-                                "healthy": True}]
+                                "healthy": True, "compute": "", "contends_with": []}]
+
+
+def test_ready_shows_what_each_worker_computes_on_and_whom_it_contends_with(make_client):
+    """Two workers with two threads each on the same two CPUs contend (pdserve/compute_id.py)."""
+    prefill, decode = in_rotation("prefill"), in_rotation("decode")
+    prefill.info.compute = decode.info.compute = "h/cpu/0-1/2"
+    _, body = ready(make_client([prefill, decode]))
+    assert [(w["compute"], w["contends_with"]) for w in body["workers"]] == [
+        ("h/cpu/0-1/2", ["decode-0"]), ("h/cpu/0-1/2", ["prefill-0"])]
 
 
 def test_a_decode_worker_in_rotation_is_ready(make_client):
