@@ -63,6 +63,8 @@ def test_two_models_each_answer_exactly_on_their_own_pools(references, tmp_path,
     remote = launcher == "processes"
     proc, url = start_serve("--config", str(config), "--prefill", "1" if remote else "0", "--decode", "1",
                             "--disagg-min-prompt-tokens", "0", "--disagg-min-uncached-tokens", "0",
+                            # four one-thread workers contend on two cores, and would prefill locally
+                            *(["--no-cost-contention"] if remote else []),
                             launcher=launcher, models=(), timeout=600)
     try:
         cards = httpx.get(url + "/v1/models", timeout=10).json()["data"]
