@@ -50,7 +50,7 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 
 def cpu_compute(threads: int | None = None, host: str | None = None) -> str:
     """This process's CPU compute: its host, affinity and ``threads`` (default: one per CPU it may use)."""
-    cpus = os.sched_getaffinity(0)
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)  # macOS: all
     return f"{host or socket.gethostname()}/cpu/{cpu_list(cpus)}/{threads or len(cpus)}"
 
 
