@@ -7,7 +7,7 @@ A worker announces its compute in ``WorkerInfo.compute`` as one string::
 
 The router reads them to know whether a remote prefill takes work off a decode worker's hardware
 (what disaggregation is for) or only moves it to other processes on the same cores (router/cost.py,
-``shares``). Workers contend when they are on one host and:
+``remote_interference_s``). Workers contend when they are on one host and:
 
 - GPU: on the same device;
 - CPU: their CPU sets overlap and the threads of every CPU worker on that host whose set overlaps
@@ -27,17 +27,13 @@ from dataclasses import dataclass
 
 def cpu_list(cpus: Iterable[int]) -> str:
     """``0-3,8``: sorted CPU ids as ranges (the kernel's cpulist format)."""
-    out, run = [], []
+    runs: list[list[int]] = []
     for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def parse_cpu_list(text: str) -> frozenset[int]:
