@@ -46,12 +46,13 @@ NEVER = {
 }
 ONLY = {
     # the router runs no model: protocol, tokenizer and sampling types, the state store, the buckets
-    "router": {"router", "configs", "buckets", "state", "proto", "prefix_hash", "cluster_token", "engine.tokenizer",
-               "engine.sampling_params", "engine.logprobs"},
+    "router": {"router", "configs", "buckets", "state", "proto", "prefix_hash", "cluster_token", "compute_id",
+               "engine.tokenizer", "engine.sampling_params", "engine.logprobs"},
     "state": {"state", "configs"},
     "buckets": set(),
     "prefix_hash": set(),  # the block-hash scheme the engine and the router share: standard library only
     "cluster_token": set(),  # the workers' gRPC secret, for the router, the workers and kvtransfer: grpc only
+    "compute_id": set(),  # which workers share compute, for the router and the servicer: standard library only
 }
 
 
