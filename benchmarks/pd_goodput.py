@@ -46,10 +46,10 @@ def pin(pid: int, core: int) -> None:
             pass
 
 
-def start(roles: list[str], router_flags: list[str] = ()):
+def start(roles: list[str], router_flags: list[str] = (), worker_flags: list[str] = ()):
     cores = sorted(os.sched_getaffinity(0))
     common = ["--port", "0", "--model", MODEL, "--no-load-progress", "--num-threads", "1",
-              "--kv-cache-memory-gb", "1"]
+              "--kv-cache-memory-gb", "1", *worker_flags]
     workers = [start_worker(role, common) for role in roles]
     wait_ready(workers, timeout_s=300)
     for i, w in enumerate(workers):
@@ -66,9 +66,9 @@ def stop(workers, router) -> None:
 
 
 @contextlib.contextmanager
-def cluster(roles: list[str]):
+def cluster(roles: list[str], router_flags: list[str] = (), worker_flags: list[str] = ()):
     """``start``'s cluster for the block (its router's URL), stopped after it."""
-    workers, router, url = start(roles)
+    workers, router, url = start(roles, router_flags, worker_flags)
     try:
         yield url
     finally:

@@ -1,8 +1,11 @@
-"""Validate `pdserve sim` against real runs: pd_goodput.py's experiment, run and simulated.
+"""Validate `pdserve sim` against real runs: pd_goodput.py's experiment, or the prefix-routing one, run and
+simulated.
 
     python benchmarks/sim_validate.py                    # about 12 minutes on 2 cores
     python benchmarks/sim_validate.py --profile bench-results/sim_validate_profile.json \\
         --slo-ttft-ms 35900 --slo-tpot-ms 93.5           # reuse a profile and fixed SLOs: about 8 minutes
+    python benchmarks/sim_validate.py --experiment prefix --profile bench-results/sim_validate_profile.json \\
+        --slo-ttft-ms 35900 --slo-tpot-ms 93.5           # cache-aware against least-loaded routing
 
 1. A latency profile of the engine as the workers run it (one thread, the same model and step
    budget): measured here through the profile library (`pdserve profile --threads 1`), or --profile.
@@ -13,9 +16,18 @@
    workload and arrival times: same seed, prompts, lengths, the warm-up request) on a SimConfig of
    the same cluster (pools, the router's policy and cost model as pd_goodput's router runs them,
    the workers' engine limits and KV cache, the grpc transfer model of the profile).
-4. A table per mode and rate: TTFT and TPOT p50/p90 and SLO attainment, measured, simulated and the
-   error; goodput (the highest rate with >= 90% attainment) measured against simulated. JSON of it
-   all in --result-dir.
+4. A table per mode and rate: TTFT and TPOT p50/p90, SLO attainment and the prefix cache's hit rate
+   (cached prompt tokens over prompt tokens, as the server's usage reports them), measured, simulated
+   and the error; goodput (the highest rate with >= 90% attainment) measured against simulated. JSON
+   of it all in --result-dir.
+
+``--experiment prefix`` (issue 17's prefix-routing validation): the colocated cluster of step 3 (two
+decode workers, one core each), once per router policy (``--policies``, by default cache_aware and
+least_loaded), each worker's KV cache cut to ``--num-kv-blocks`` so that the workload's shared prefixes
+do not all fit one worker; the bench's prefix workload (``--prefix-num`` prefixes of ``--prefix-len``
+tokens, each request one of them plus ``--suffix-len`` random tokens, ``--output-len`` tokens out), a
+fresh seed per rate as above. The simulator runs the same policy over a prefix index fed by its
+replicas' KV events.
 """
 
 from __future__ import annotations
@@ -51,6 +63,40 @@ WORKER_ENGINE = {"model": pd_goodput.MODEL, "kv_cache_memory_gb": 1.0, "num_thre
 ROUTER = {"poll_interval_s": 0.2}
 METRICS = [("TTFT p50 (ms)", "ttft_ms", "median"), ("TTFT p90 (ms)", "ttft_ms", "p90"),
            ("TPOT p50 (ms)", "tpot_ms", "median"), ("TPOT p90 (ms)", "tpot_ms", "p90")]
+PERCENTS = ("SLO attainment (%)", "Prefix hit (%)")  # errors in percentage points
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One cluster the experiment runs and simulates: the workers' roles, the router's policy (None: its
+    default) and the workers' KV blocks (None: ``WORKER_ENGINE``'s memory)."""
+
+    name: str
+    roles: tuple[str, ...]
+    policy: str | None = None
+    num_kv_blocks: int | None = None
+
+    def router_flags(self) -> list[str]:
+        return [] if self.policy is None else ["--policy", self.policy]
+
+    def worker_flags(self) -> list[str]:
+        return [] if self.num_kv_blocks is None else ["--num-kv-blocks", str(self.num_kv_blocks)]
+
+
+def setups(args) -> list[Setup]:
+    if args.experiment == "pd":
+        return [Setup(mode, tuple(MODES[mode])) for mode in args.modes.split(",")]
+    return [Setup(policy, tuple(MODES["colocated"]), policy, args.num_kv_blocks) for policy in args.policies.split(",")]
+
+
+def workload(url: str, rate: float, i: int, args) -> BenchConfig:
+    """The ``i``-th rate's workload: pd_goodput's, or the prefix experiment's (a fresh seed per rate too)."""
+    if args.experiment == "pd":
+        return pd_goodput.workload(url, args.num_prompts, rate, args.seed, i)
+    return BenchConfig(base_url=url, progress=False, dataset_name="prefix", prefix_num=args.prefix_num,
+                       prefix_len=args.prefix_len, suffix_len=args.suffix_len, random_output_len=args.output_len,
+                       num_prompts=args.num_prompts, request_rate=rate, seed=args.seed + 1000 * (i + 1),
+                       warmup_requests=1)
 
 
 def get_profile(args) -> Profile:
@@ -78,12 +124,15 @@ def get_slo(args) -> tuple[SLO, dict | None]:
     return pd_goodput.slo_of(ttft0, tpot0), {"ttft_ms": ttft0, "tpot_ms": tpot0}
 
 
-def sim_config(roles: list[str], profile: Profile) -> SimConfig:
+def sim_config(setup: Setup, profile: Profile) -> SimConfig:
     """pd_goodput's cluster as the simulator's: pools, engine limits and KV blocks of the workers' flags, the
     router's policy, thresholds, poll interval and its own cost model (RouterConfig's, not the profile's), and
     its recent routes kept until pushed out (a router without a state store keeps them so)."""
+    roles = setup.roles
     pools = {"prefill": {"replicas": roles.count("prefill")}, "decode": {"replicas": roles.count("decode")}}
-    serve = load_serve_config(None, {"engine": WORKER_ENGINE, "router": ROUTER, "pools": pools})
+    engine = WORKER_ENGINE if setup.num_kv_blocks is None else {**WORKER_ENGINE, "num_kv_blocks": setup.num_kv_blocks}
+    router = ROUTER if setup.policy is None else {**ROUTER, "policy": setup.policy}
+    serve = load_serve_config(None, {"engine": engine, "router": router, "pools": pools})
     return SimConfig.from_serve(serve, profile, cost=serve.router.cost_model(), recent_routes_s=math.inf)
 
 
@@ -104,12 +153,12 @@ def router_decisions(url: str) -> dict[str, int]:
     return {k: int(float(v)) for k, v in found}
 
 
-def run_real(roles: list[str], rates: list[float], slo: SLO, args) -> list[dict]:
+def run_real(setup: Setup, rates: list[float], slo: SLO, args) -> list[dict]:
     """pd_goodput.sweep's runs, keeping each rate's config, summary and records (and the router's decisions)."""
-    runs = []
-    with pd_goodput.cluster(roles) as url:
+    runs, roles = [], list(setup.roles)
+    with pd_goodput.cluster(roles, setup.router_flags(), setup.worker_flags()) as url:
         for i, rate in enumerate(rates):
-            config = pd_goodput.workload(url, args.num_prompts, rate, args.seed, i)
+            config = workload(url, rate, i, args)
             before, started = router_decisions(url), time.perf_counter()
             run = asyncio.run(run_bench(config, slo)).runs[0]
             after = router_decisions(url)
@@ -117,7 +166,7 @@ def run_real(roles: list[str], rates: list[float], slo: SLO, args) -> list[dict]
                          "seconds": time.perf_counter() - started,
                          "decisions": {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}})
             s = run["summary"]
-            print(f"  {'+'.join(roles)} @ {rate:g} req/s: {s.completed} done, {s.failed} failed, attainment "
+            print(f"  {setup.name} @ {rate:g} req/s: {s.completed} done, {s.failed} failed, attainment "
                   f"{100 * s.slo_attainment:.0f}%, {runs[-1]['seconds']:.0f} s", flush=True)
     return runs
 
@@ -125,12 +174,13 @@ def run_real(roles: list[str], rates: list[float], slo: SLO, args) -> list[dict]
 def figures(s: Summary) -> dict[str, float]:
     out = {label: getattr(s, key)[stat] for label, key, stat in METRICS}
     out["SLO attainment (%)"] = 100 * s.slo_attainment
+    out["Prefix hit (%)"] = math.nan if s.prefix_hit_rate is None else 100 * s.prefix_hit_rate
     return out
 
 
 def error(measured: float, simulated: float, label: str) -> float:
-    """Relative error in %, or for attainment the difference in percentage points."""
-    if label.startswith("SLO"):
+    """Relative error in %, or for a percentage (attainment, prefix hits) the difference in percentage points."""
+    if label in PERCENTS:
         return simulated - measured
     return 100 * (simulated - measured) / measured if measured else math.nan
 
@@ -142,7 +192,7 @@ def compare(mode: str, real: dict, sim: Summary, decisions: dict, tokenizer_chec
           f"{real['seconds']:.0f} s; prefill decisions real {real['decisions'] or '-'}, simulated {decisions or '-'})")
     print("| metric | measured | simulated | error |\n|---|---|---|---|")
     for k in measured:
-        unit = "pp" if k.startswith("SLO") else "%"
+        unit = "pp" if k in PERCENTS else "%"
         print(f"| {k} | {measured[k]:.1f} | {simulated[k]:.1f} | {errors[k]:+.1f} {unit} |")
     return {"mode": mode, "rate": real["rate"], "seconds": real["seconds"], "measured": measured,
             "simulated": simulated, "errors": errors, "decisions": {"real": real["decisions"], "sim": decisions},
@@ -159,7 +209,8 @@ def per_request(measured, simulated) -> list[dict]:
 
     return [{"index": r.index, "warmup": r.warmup, "input": r.input_tokens, "output": r.output_tokens,
              "start_s": round(r.start, 2), "ttft_ms": [ms(r.ttft), ms(sim[r.index].ttft)],
-             "tpot_ms": [ms(r.tpot), ms(sim[r.index].tpot)]} for r in measured]
+             "tpot_ms": [ms(r.tpot), ms(sim[r.index].tpot)],
+             "cached": [r.cached_tokens, sim[r.index].cached_tokens]} for r in measured]
 
 
 def prompt_mismatches(requests: list[SimRequest], records) -> int:
@@ -168,10 +219,10 @@ def prompt_mismatches(requests: list[SimRequest], records) -> int:
     return sum(1 for q in requests if by_index[q.index].input_tokens != len(q.prompt))
 
 
-def validate_mode(mode: str, rates: list[float], slo: SLO, profile: Profile, tokenizer, args) -> dict:
-    roles = MODES[mode]
-    real_runs = run_real(roles, rates, slo, args)  # every real run first: the simulations then share no core
-    config = sim_config(roles, profile)
+def validate_setup(setup: Setup, rates: list[float], slo: SLO, profile: Profile, tokenizer, args) -> dict:
+    mode = setup.name
+    real_runs = run_real(setup, rates, slo, args)  # every real run first: the simulations then share no core
+    config = sim_config(setup, profile)
     rows = []
     for real in real_runs:
         requests = requests_from_bench(real["config"], real["rate"], tokenizer)
@@ -191,7 +242,7 @@ def validate_mode(mode: str, rates: list[float], slo: SLO, profile: Profile, tok
 
 def simulated_unloaded(profile: Profile) -> dict:
     """pd_goodput.unloaded's two requests, simulated on one decode worker: TTFT of 2048 tokens, TPOT at 512/128."""
-    config = sim_config(["decode"], profile)
+    config = sim_config(Setup("unloaded", ("decode",)), profile)
     ttft = simulate(config, profile, [SimRequest(0, 0.0, list(range(100, 2148)), 1)]).records[0].ttft
     tpot = simulate(config, profile, [SimRequest(0, 0.0, list(range(100, 612)), 128)]).records[0].tpot
     return {"ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * tpot}
@@ -215,6 +266,19 @@ def parse_args():
                         "(default: 5x the unloaded TTFT of a 2048-token prompt)")
     p.add_argument("--slo-tpot-ms", type=float, default=None,
                    help="TPOT SLO in ms, with --slo-ttft-ms (default: 2x the unloaded TPOT)")
+    p.add_argument("--experiment", choices=("pd", "prefix"), default="pd",
+                   help="pd: pd_goodput's colocated and disaggregated clusters (--modes); prefix: the colocated "
+                        "cluster under each of --policies on the prefix workload (default: pd)")
+    p.add_argument("--policies", default="cache_aware,least_loaded",
+                   help="prefix: the router policies, comma-separated (default: cache_aware,least_loaded)")
+    p.add_argument("--num-kv-blocks", type=int, default=640,
+                   help="prefix: each worker's KV blocks of 16 tokens (default: 640, room for about half of "
+                        "the default workload's prefixes)")
+    p.add_argument("--prefix-num", type=int, default=12, help="prefix: shared prefixes (default: 12)")
+    p.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens in each prefix (default: 1024)")
+    p.add_argument("--suffix-len", type=int, default=64,
+                   help="prefix: random tokens after the prefix (default: 64)")
+    p.add_argument("--output-len", type=int, default=32, help="prefix: output tokens a request (default: 32)")
     p.add_argument("--seed", type=int, default=0,
                    help="workload seed; rate i uses seed + 1000 (i + 1), as pd_goodput (default: 0)")
     p.add_argument("--result-dir", default="bench-results",
@@ -223,6 +287,11 @@ def parse_args():
     unknown = sorted(set(args.modes.split(",")) - set(MODES))
     if unknown:
         p.error(f"--modes: {unknown} are not modes; modes: {list(MODES)}")
+    from pdserve.router.policy import POLICIES
+
+    unknown = sorted(set(args.policies.split(",")) - set(POLICIES))
+    if unknown:
+        p.error(f"--policies: {unknown} are not router policies; policies: {sorted(POLICIES)}")
     if (args.slo_ttft_ms is None) != (args.slo_tpot_ms is None):
         p.error("--slo-ttft-ms and --slo-tpot-ms go together")
     return args
@@ -249,10 +318,10 @@ def main() -> None:
               f"(simulated {sim_unloaded['tpot_ms']:.1f})")
     print(f"SLOs: TTFT <= {slo.ttft_ms:.0f} ms, TPOT <= {slo.tpot_ms:.1f} ms", flush=True)
     tokenizer = load_tokenizer(BenchConfig(base_url="http://unused").tokenizer)
-    results = {mode: validate_mode(mode, rates, slo, profile, tokenizer, args) for mode in args.modes.split(",")}
+    results = {setup.name: validate_setup(setup, rates, slo, profile, tokenizer, args) for setup in setups(args)}
     elapsed = time.perf_counter() - started
     print(f"\ntook {elapsed / 60:.1f} minutes")
-    path = Path(args.result_dir) / "sim_validate.json"
+    path = Path(args.result_dir) / ("sim_validate.json" if args.experiment == "pd" else "sim_validate_prefix.json")
     path.write_text(json.dumps({
         "cpu_flags": describe_cpu(), "args": vars(args), "seconds": elapsed, "profile": profile.to_json(),
         "slo": dataclasses.asdict(slo), "unloaded": {"measured": unloaded, "simulated": sim_unloaded},

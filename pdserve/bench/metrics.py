@@ -38,6 +38,7 @@ class RequestRecord:
     start_wall: float = 0.0  # time.time() when sent (to compare with server-side clocks)
     text: str | None = None
     warmup: bool = False
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache, as the server's usage said
 
     @property
     def tpot(self) -> float | None:
@@ -110,6 +111,7 @@ class Summary:
     goodput: float | None = None  # requests/s meeting the SLO
     slo_attainment: float | None = None
     usage_mismatches: int = 0  # requests whose streamed chunk count differs from the reported usage
+    prefix_hit_rate: float | None = None  # cached prompt tokens / prompt tokens, of requests whose usage said
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -140,12 +142,21 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO | None =
         itl_ms=stats_ms([x for r in ok for x in r.itl]),
         e2e_ms=stats_ms([r.latency for r in ok if r.latency is not None]),
         usage_mismatches=sum(1 for r in ok if r.usage_tokens is not None and r.usage_tokens != r.stream_chunks),
+        prefix_hit_rate=prefix_hit_rate(ok),
     )
     if slo is not None:
         good = sum(1 for r in measured if slo.met(r))
         summary.goodput = good / duration_s
         summary.slo_attainment = good / len(measured) if measured else math.nan
     return summary
+
+
+def prefix_hit_rate(records: list[RequestRecord]) -> float | None:
+    """Cached prompt tokens over prompt tokens, of the records that report their cached tokens (None: none do;
+    a server that does not report ``usage.prompt_tokens_details``)."""
+    told = [r for r in records if r.cached_tokens is not None]
+    prompt = sum(r.input_tokens for r in told)
+    return sum(r.cached_tokens for r in told) / prompt if prompt else None
 
 
 def goodput_rate(rates: list[float], attainments: list[float], target: float = 0.9) -> float | None:

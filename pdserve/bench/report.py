@@ -33,6 +33,8 @@ def table(summary: Summary, title: str = "Serving Benchmark Result") -> str:
     if summary.goodput is not None:
         row("Request goodput (req/s):", summary.goodput)
         row("SLO attainment (%):", 100 * summary.slo_attainment)
+    if summary.prefix_hit_rate is not None:
+        row("Prefix cache hit rate (%):", 100 * summary.prefix_hit_rate)
     if summary.usage_mismatches:
         row("Streamed != reported tokens (requests):", summary.usage_mismatches)
     for name, stats in (("Time to First Token", summary.ttft_ms), ("Time per Output Token (excl. 1st token)",

@@ -226,6 +226,7 @@ class Runner:
             if usage:
                 record.usage_tokens = usage.get("completion_tokens")
                 record.input_tokens = usage.get("prompt_tokens", record.input_tokens)
+                record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             for choice in chunk.get("choices") or ():
                 piece = choice["delta"].get("content") if "delta" in choice else choice.get("text")
                 if not piece:

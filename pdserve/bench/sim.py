@@ -967,6 +967,7 @@ class _Simulation:
         prefill.inflight_tokens -= len(flow.req.prompt)
         prefill.finished += 1
         self.ttft.observe(self.now - flow.req.arrival)  # approximately the prefill worker's own part
+        flow.record.cached_tokens = request.num_cached_tokens  # the prefill worker's hit, as its usage says
         self._record_token(flow)
         if request.status is not RequestStatus.FINISHED_HANDOFF:  # its only token: release the reservation
             self._break(flow.decode)
@@ -989,6 +990,8 @@ class _Simulation:
         flow = self.flows[request.request_id]
         if flow.record.ttft is None:
             decode.inflight_tokens -= flow.counted
+            if flow.record.cached_tokens is None:  # prefilled here (colocated): this worker's prefix hit
+                flow.record.cached_tokens = request.num_cached_tokens
         self._record_token(flow)
         if finished:
             decode.finished += 1

@@ -99,3 +99,10 @@ def test_usage_mismatch_counted():
     r = rec(0)
     r.usage_tokens = r.stream_chunks + 1
     assert summarize([r, rec(1)], 1.0).usage_mismatches == 1
+
+
+def test_prefix_hit_rate_is_cached_over_prompt_tokens_of_the_requests_that_say():
+    a, b, silent = rec(0), rec(1), rec(2)
+    a.cached_tokens, b.cached_tokens = 10, 0  # each of 10 prompt tokens; the third says nothing
+    assert summarize([a, b, silent], 1.0).prefix_hit_rate == pytest.approx(0.5)
+    assert summarize([silent], 1.0).prefix_hit_rate is None

@@ -106,6 +106,20 @@ def test_a_repeated_prefix_hits_the_cache_and_its_first_token_comes_sooner():
     assert first.ttft == pytest.approx(prefill_s(272))
     assert second.ttft == pytest.approx(prefill_s(16))  # the prefix's 16 blocks were cached
     assert result.replicas[0].prefix_hits == 256
+    assert [r.cached_tokens for r in result.records] == [0, 256]  # as the server's usage reports them
+    assert result.summary().prefix_hit_rate == pytest.approx(256 / 544)
+
+
+def test_a_remote_prefill_reports_the_prefill_workers_cached_tokens():
+    rng = random.Random(8)
+    prefix = ids(rng, 1024)
+    requests = [SimRequest(0, 0.0, prefix + ids(rng, 512), 2), SimRequest(1, 5.0, prefix + ids(rng, 512), 2)]
+    # Taking turns, the second goes to the decode worker without the prefix, so it is prefilled remotely
+    # again, where the prefill worker holds the prefix from the first.
+    config = SimConfig(prefill_replicas=1, decode_replicas=2, policy="round_robin")
+    result = run_checked(config, requests)
+    assert result.decisions == {"remote": 2}
+    assert [r.cached_tokens for r in result.records] == [0, 1024]
 
 
 def prefix_hits(policy: str) -> int:

@@ -77,6 +77,9 @@ def test_workloads_and_arrivals_match_the_server_counters(served, tmp_path, opti
     generated = counter(served.base_url, "pdserve_router_generation_tokens_total") - before_tok
     assert generated == sum(r.output_tokens for r in records)
     assert summary.slo_attainment == 1.0
+    assert all(r.cached_tokens is not None for r in records)  # the router's usage.prompt_tokens_details
+    measured = [r for r in records if not r.warmup]
+    assert summary.prefix_hit_rate == sum(r.cached_tokens for r in measured) / sum(r.input_tokens for r in measured)
     paths = write_outputs(config, outcome)
     data = json.loads(paths[0].read_text())
     assert len(data["runs"][0]["records"]) == len(records)
