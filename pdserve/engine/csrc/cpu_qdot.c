@@ -19,6 +19,7 @@
  * and qdot_available() 0: the callers keep their other kernels.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,6 +62,20 @@ static __attribute__((unused)) void qdot_quantize_rows(const float *restrict x, 
         }
 }
 
+/* A decode step reads every layer's weights once, from memory: the model does not stay in cache
+ * (SmolLM2's int4 layers and Q8_0 head are 92 MiB). Each block asks for the bytes PF_AHEAD further
+ * on, so loads past a page boundary, where the hardware's stream prefetch starts over, find them on
+ * their way (a thread's tiles are contiguous; past its last one the requests are harmless). */
+#ifndef PF_AHEAD
+#define PF_AHEAD 2048
+#endif
+#ifndef PF_HINT
+#define PF_HINT 3
+#endif
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + PF_AHEAD + o, 0, PF_HINT);
+}
+
 /* y[r, i] = sum_j W[i, j] x[r, j] for float32 x [m, k], rounded here by qdot_quantize_rows;
  * n a multiple of 16, k of 32. Returns 1 when its scratch could not be allocated. */
 #define DEFINE_GEMM(NAME, PASS, TILE_BYTES, EXTRA, PER) /* PER: EXTRA's values a block */                                                  \
@@ -73,7 +88,12 @@ static __attribute__((unused)) void qdot_quantize_rows(const float *restrict x, 
         float *dx = (float *)(scratch + 2 * m * k), *xs = dx + m * nb;                              \
         int32_t *qs = (int32_t *)(xs + m * nb);                                                     \
         qdot_quantize_rows(x, qx, dx, xs, qs, m, k);                                                \
-        _Pragma("omp parallel for schedule(static)") for (int64_t t = 0; t < n / TILE; t++) {       \
+        _Pragma("omp parallel") {                                                                   \
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();                   \
+        const int64_t t0 = n / TILE * id / threads, t1 = n / TILE * (id + 1) / threads;             \
+        if (t0 < t1) /* the first PF_AHEAD bytes: what the blocks' own requests do not cover */     \
+            prefetch_ahead(w + t0 * nb * (TILE_BYTES) - PF_AHEAD, PF_AHEAD);                        \
+        for (int64_t t = t0; t < t1; t++) {                                                         \
             const uint8_t *tile = w + t * nb * (TILE_BYTES);                                       \
             int64_t r0 = 0;                                                                         \
             for (; r0 + MR <= m; r0 += MR)                                                          \
@@ -83,6 +103,7 @@ static __attribute__((unused)) void qdot_quantize_rows(const float *restrict x, 
             case 2: PASS(tile, nb, qx + 2 * r0 * k, k, dx + r0 * nb, EXTRA + r0 * nb * PER, y + r0 * ldy + t * TILE, ldy, 2 % MR); break; \
             case 1: PASS(tile, nb, qx + 2 * r0 * k, k, dx + r0 * nb, EXTRA + r0 * nb * PER, y + r0 * ldy + t * TILE, ldy, 1); break; \
             }                                                                                       \
+        }                                                                                           \
         }                                                                                           \
         free(scratch);                                                                              \
         return 0;                                                                                   \
@@ -118,6 +139,7 @@ static inline __attribute__((always_inline)) void q4_pass(const uint8_t *tile, i
     for (int r = 0; r < MRC; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = tile + b * Q4_TILE_BYTES;
+        if (PF_AHEAD) prefetch_ahead(p, Q4_TILE_BYTES);
         __m512i s[MR], l[MR];
         for (int r = 0; r < MRC; r++) s[r] = l[r] = _mm512_setzero_si512();
         for (int st = 0; st < 8; st++) {
@@ -144,6 +166,7 @@ static inline __attribute__((always_inline)) void q8_pass(const uint8_t *tile, i
     for (int r = 0; r < MRC; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = tile + b * Q8_TILE_BYTES;
+        if (PF_AHEAD) prefetch_ahead(p, Q8_TILE_BYTES);
         __m512i s[MR], l[MR];
         for (int r = 0; r < MRC; r++) { /* less the +128 of every weight */
             s[r] = _mm512_set1_epi32(-128 * qs[2 * (r * nb + b)]);
@@ -186,6 +209,7 @@ static inline __attribute__((always_inline)) void q4_pass(const uint8_t *tile, i
     for (int r = 0; r < MRC; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = tile + b * Q4_TILE_BYTES;
+        if (PF_AHEAD) prefetch_ahead(p, Q4_TILE_BYTES);
         __m256i s[MR][2], l[MR][2];
         for (int r = 0; r < MRC; r++) s[r][0] = s[r][1] = l[r][0] = l[r][1] = _mm256_setzero_si256();
         for (int st = 0; st < 8; st++) {
@@ -229,6 +253,7 @@ static inline __attribute__((always_inline)) void q8_pass(const uint8_t *tile, i
     for (int r = 0; r < MRC; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = tile + b * Q8_TILE_BYTES;
+        if (PF_AHEAD) prefetch_ahead(p, Q8_TILE_BYTES);
         __m256i s[MR][2], l[MR][2];
         for (int r = 0; r < MRC; r++) s[r][0] = s[r][1] = l[r][0] = l[r][1] = _mm256_setzero_si256();
         for (int st = 0; st < 8; st++)
