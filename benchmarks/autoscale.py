@@ -15,6 +15,13 @@ having generated tokens), TTFT/TPOT p90 before (the idle run), during (step -> n
 after (new replica serving -> end of the step), scale events (changes of running replicas per pool),
 and requests lost (failed or cut short; must be 0). Writes JSON and a PNG (replicas and latency over
 time) to --result-dir. Everything on 127.0.0.1; Ray is started here and stopped at the end.
+
+With ``--sim-profile PATH`` (a latency profile of the workers' engine: one thread, this machine; e.g. the
+one ``benchmarks/sim_validate.py`` writes), the step is also simulated (issue 17's validation): the same
+cluster file through ``SimConfig.from_serve``, the step's own requests and arrival times, a new replica
+serving the start-up time measured here (Ray's STARTING to RUNNING) after it is asked for, the autoscaler
+deciding every --sim-interval-s; the decode pool's scale events, run and simulated, side by side, each
+difference against the autoscaler's window for that direction.
 """
 
 from __future__ import annotations
@@ -72,11 +79,13 @@ def worker_tokens(address: str) -> int:
         return pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=5).generation_tokens_total
 
 
+def bench_config(url: str, args, **overrides) -> BenchConfig:
+    return BenchConfig(base_url=url, tokenizer=args.model, dataset_name="random", random_input_len=args.input_len,
+                       random_output_len=args.output_len, seed=args.seed, result_dir=args.result_dir, **overrides)
+
+
 def bench(url: str, args, **overrides):
-    config = BenchConfig(base_url=url, tokenizer=args.model, dataset_name="random", random_input_len=args.input_len,
-                         random_output_len=args.output_len, seed=args.seed, result_dir=args.result_dir,
-                         **overrides)
-    return asyncio.run(run_bench(config)).runs[0]["records"]
+    return asyncio.run(run_bench(bench_config(url, args, **overrides))).runs[0]["records"]
 
 
 def p90_ms(values) -> float | None:
@@ -150,6 +159,7 @@ class Watcher(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.app = url, app
         self.samples: list[tuple[float, int, int]] = []  # (time.time(), prefill, decode)
+        self.decode_starting: list[tuple[float, int]] = []  # (time.time(), decode replicas STARTING)
         self.first_decode: set[str] = {w["worker_id"] for w in healthy_workers(url)}
         self.new_serving_at: float | None = None
         self.stop = threading.Event()
@@ -161,6 +171,7 @@ class Watcher(threading.Thread):
             deployments = serve.status().applications[self.app].deployments
             running = [deployments[d].replica_states.get("RUNNING", 0) for d in ("PrefillWorker", "DecodeWorker")]
             self.samples.append((time.time(), *running))
+            self.decode_starting.append((time.time(), deployments["DecodeWorker"].replica_states.get("STARTING", 0)))
             if self.new_serving_at is None:
                 for w in healthy_workers(self.url):
                     if w["worker_id"].startswith("decode-") and w["worker_id"] not in self.first_decode:
@@ -195,8 +206,18 @@ def main() -> None:
     p.add_argument("--overhead-output-len", type=int, default=4,
                    help="output tokens of the short requests that measure Ray's overhead (default: 4)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.add_argument("--sim-profile", default=None,
+                   help="a latency profile (JSON, one thread, this machine) to simulate the step with and set "
+                        "the scale events side by side (default: no simulation)")
+    p.add_argument("--sim-interval-s", type=float, default=0.5,
+                   help="with --sim-profile: how often the simulated autoscaler decides (default: 0.5, Ray's "
+                        "metrics interval in this cluster)")
     p.add_argument("--result-dir", default="bench-results", help="where JSON and PNG go (default: bench-results)")
     args = p.parse_args()
+    if args.sim_profile:  # refused now, not after the run
+        from pdserve.bench.latency_model import Profile
+
+        Profile.load(args.sim_profile)
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -289,6 +310,8 @@ def main() -> None:
     total_lost = sum(lost([r for r in rs if not r.warmup]) for rs in every)
     print(f"requests lost, whole run: {total_lost} of {sum(len(rs) for rs in every)}")
 
+    simulated = simulate_step(config, args, url, real_decode_events(watcher, step_at)) if args.sim_profile else None
+
     result = {"args": vars(args), "table": table, "short_requests": short_rows, "overhead_ratio": overhead,
               "overhead_added_ms": added,
               "step_to_serving_s": serving - step_at if serving else None,
@@ -297,10 +320,64 @@ def main() -> None:
               "scale_down_after_load_s": back_to_one - step_end if back_to_one else None,
               "lost": total_lost,
               "replicas": [(t - step_at, pf, dc) for t, pf, dc in watcher.samples],
-              "step_records": [dataclasses.asdict(r) for r in step]}
+              "step_records": [dataclasses.asdict(r) for r in step], "simulated": simulated}
     (out / "autoscale.json").write_text(json.dumps(result, indent=1, default=str))
     plot(out / "autoscale.png", watcher, step, step_at, step_end, serving, args)
     print(f"\nwrote {out / 'autoscale.json'} and {out / 'autoscale.png'}")
+
+
+def real_decode_events(watcher: Watcher, step_at: float) -> dict[str, float | None]:
+    """Seconds after the step: a second decode replica asked for (Ray's first STARTING one), serving (RUNNING),
+    and the pool back to one RUNNING replica after that."""
+    asked = next((t - step_at for t, n in watcher.decode_starting if t >= step_at and n > 0), None)
+    up = next((t - step_at for t, _, n in watcher.samples if t >= step_at and n >= 2), None)
+    down = None if up is None else next((t - step_at for t, _, n in watcher.samples
+                                         if t - step_at > up and n <= 1), None)
+    return {"asked": asked, "serving": up, "back_to_one": down}
+
+
+def simulated_decode_events(pools: dict) -> dict[str, float | None]:
+    """The same three times in the simulator's decode timeline ((time, serving, asked for))."""
+    line = pools["decode"]
+    asked = next((t for t, _, n in line if n >= 2), None)
+    up = next((t for t, n, _ in line if n >= 2), None)
+    down = None if up is None else next((t for t, n, _ in line if t > up and n <= 1), None)
+    return {"asked": asked, "serving": up, "back_to_one": down}
+
+
+def simulate_step(config, args, url: str, real: dict[str, float | None]) -> dict:
+    """The step on the simulator: the same cluster file, requests and arrivals; the measured start-up time."""
+    from pdserve.bench.latency_model import Profile
+    from pdserve.bench.sim import SimConfig, simulate
+    from pdserve.bench.sim_cli import requests_from_bench
+
+    profile = Profile.load(args.sim_profile)
+    startup_s = (real["serving"] - real["asked"] if real["asked"] is not None and real["serving"] is not None
+                 else SimConfig.startup_s)
+    step = bench_config(url, args, request_rate=args.rate, duration=args.step_s, num_prompts=100000,
+                        progress=False)
+    requests = [r for r in requests_from_bench(step, args.rate) if r.arrival < args.step_s]
+    sim_config = SimConfig.from_serve(config, profile, startup_s=startup_s, autoscale_interval_s=args.sim_interval_s,
+                                      settle_s=args.downscale_window_s + 60)
+    result = simulate(sim_config, profile, requests)
+    sim = simulated_decode_events(result.pools)
+    windows = {"asked": args.upscale_window_s, "serving": args.upscale_window_s,
+               "back_to_one": args.downscale_window_s}
+    print(f"\nsimulated ({len(requests)} requests; a new replica serves {startup_s:.1f} s after it is asked for, "
+          f"as measured):\n")
+    print("| decode pool event | run (s after the step) | simulated | difference | within one window |")
+    print("| --- | --- | --- | --- | --- |")
+    rows = []
+    for key, name in (("asked", "second replica asked for"), ("serving", "second replica serving"),
+                      ("back_to_one", "back to one replica")):
+        diff = None if real[key] is None or sim[key] is None else sim[key] - real[key]
+        within = None if diff is None else abs(diff) <= windows[key]
+        rows.append({"event": key, "real_s": real[key], "sim_s": sim[key], "diff_s": diff,
+                     "window_s": windows[key], "within_window": within})
+        print(f"| {name} | {fmt(real[key], 1)} | {fmt(sim[key], 1)} | {fmt(diff, 1)} | "
+              f"{'-' if within is None else ('yes' if within else 'no')} ({windows[key]:g} s) |")
+    return {"startup_s": startup_s, "requests": len(requests), "events": rows,
+            "timeline": result.pools["decode"], "summary": result.summary().to_dict()}
 
 
 def plot(path: Path, watcher: Watcher, step, step_at: float, step_end: float, serving: float | None, args) -> None:

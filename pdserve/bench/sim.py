@@ -116,6 +116,7 @@ class SimConfig:
     autoscaling: dict[str, AutoscalingConfig] = field(default_factory=dict)  # by role; absent: fixed size
     startup_s: float = 30.0  # a replica the autoscaler adds serves this long after it is asked for
     autoscale_interval_s: float = 1.0  # how often the autoscaling policy decides
+    settle_s: float = 0.0  # the autoscaler keeps deciding this long after the last request ends (0: it stops then)
     seed: int = 0  # the policies' tie-breaks
     fast_decode: bool = True  # decode-only steps without the scheduler's objects (same results; False: reference)
     compact_records: bool = False  # records without per-token gaps; SimResult.summary has them (for big runs)
@@ -132,7 +133,7 @@ class SimConfig:
         for key in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key}: must be at least 1, got {getattr(self, key)}")
-        for key in ("startup_s", "poll_interval_s", "recent_routes_s"):
+        for key in ("startup_s", "poll_interval_s", "recent_routes_s", "settle_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must not be negative, got {getattr(self, key)}")
         if self.autoscale_interval_s <= 0:
@@ -678,6 +679,7 @@ class _Simulation:
         self.flows: dict[str, _Flow] = {}
         self.waiting_for_decode: deque[_Flow] = deque()
         self.woken_prefill = False  # a long prompt found no prefill worker since the last tick
+        self._settle_until: float | None = None  # the last tick after the load (SimConfig.settle_s)
         self.decisions: dict[str, int] = {}
         self.done = 0
         # Each request's record is made when it arrives (a long workload may build its prompts lazily).
@@ -1107,6 +1109,11 @@ class _Simulation:
         self.woken_prefill = False
         if self.done < len(self.requests) and (len(self._heap) or self.waiting_for_decode):
             self._at(self.now + self.config.autoscale_interval_s, self._tick)
+        elif self.done == len(self.requests) and self.config.settle_s:  # the load is over: scaling down
+            if self._settle_until is None:
+                self._settle_until = self.now + self.config.settle_s
+            if self.now < self._settle_until:
+                self._at(self.now + self.config.autoscale_interval_s, self._tick)
 
     def _signals(self, role: str) -> PoolSignals:
         """The pool's signals, as cluster/ray_app.py builds them from what its replicas report."""

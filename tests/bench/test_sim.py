@@ -153,6 +153,23 @@ def test_the_autoscaler_adds_a_replica_after_its_window_and_it_serves_after_star
     assert max(asked for _, _, asked in timeline) <= 3
 
 
+def test_after_the_load_the_pool_scales_back_down_within_settle_s():
+    scaling = AutoscalingConfig(min_replicas=1, max_replicas=2, target_running_requests=2, upscale_window_s=2.0,
+                                downscale_window_s=10.0)
+    rng = random.Random(9)
+    requests = [SimRequest(i, 0.1 * i, ids(rng, 64), 100) for i in range(100)]  # 10 s at 10 req/s
+    config = SimConfig(decode_replicas=1, autoscaling={"decode": scaling}, startup_s=3.0)
+    timeline = run_checked(config, requests).pools["decode"]
+    assert max(asked for _, _, asked in timeline) == 2 and timeline[-1][2] == 2  # no decision once the load ended
+    result = run_checked(dataclasses.replace(config, settle_s=30.0), requests)
+    timeline = result.pools["decode"]
+    up = next(t for t, _, asked in timeline if asked == 2)
+    down = next(t for t, _, asked in timeline if t > up and asked == 1)
+    last = max(r.start + r.latency for r in result.records)
+    assert last + scaling.downscale_window_s <= down <= last + 30.0  # a whole window of low load first
+    assert timeline[-1][1:] == (1, 1)
+
+
 def test_the_cli_writes_the_bench_json_and_plots(tmp_path, capsys):
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text("pools:\n  prefill: {replicas: 1}\n  decode: {replicas: 2}\nrouter: {policy: least_loaded}\n")
