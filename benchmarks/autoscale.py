@@ -127,7 +127,7 @@ def plain_processes_run(args) -> tuple[list, list]:
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "serve",
                              "--launcher", "processes", "--port", str(port), "--model", args.model,
-                             "--num-threads", "1"])
+                             "--num-threads", "1", "--prefill", "1"])  # (on < 4 cores it serves colocated by default)
     try:
         wait_workers(url, 2)
         return sequential(url, args)
