@@ -4,8 +4,8 @@ simulated.
     python benchmarks/sim_validate.py                    # about 12 minutes on 2 cores
     python benchmarks/sim_validate.py --profile bench-results/sim_validate_profile.json \\
         --slo-ttft-ms 35900 --slo-tpot-ms 93.5           # reuse a profile and fixed SLOs: about 8 minutes
-    python benchmarks/sim_validate.py --experiment prefix --profile bench-results/sim_validate_profile.json \\
-        --slo-ttft-ms 35900 --slo-tpot-ms 93.5           # cache-aware against least-loaded routing
+    python benchmarks/sim_validate.py --experiment prefix --rates 0.2,0.3,0.4 --num-prompts 48 \\
+        --slo-ttft-ms 3000 --slo-tpot-ms 100             # cache-aware and least-loaded routing: ~21 minutes
 
 1. A latency profile of the engine as the workers run it (one thread, the same model and step
    budget): measured here through the profile library (`pdserve profile --threads 1`), or --profile.
