@@ -244,7 +244,9 @@ def main() -> None:
         watcher = Watcher(url, config.ray.app_name)
         watcher.start()
         step_at = time.time()
-        step = bench(url, args, request_rate=args.rate, duration=args.step_s, num_prompts=100000, progress=False)
+        step_config = bench_config(url, args, request_rate=args.rate, duration=args.step_s, num_prompts=100000,
+                                   progress=False)
+        step = asyncio.run(run_bench(step_config)).runs[0]["records"]
         step_end = time.time()
         deadline = time.monotonic() + args.downscale_window_s + 90
         while watcher.samples[-1][2] > 1 and time.monotonic() < deadline:
@@ -310,7 +312,9 @@ def main() -> None:
     total_lost = sum(lost([r for r in rs if not r.warmup]) for rs in every)
     print(f"requests lost, whole run: {total_lost} of {sum(len(rs) for rs in every)}")
 
-    simulated = simulate_step(config, args, url, real_decode_events(watcher, step_at)) if args.sim_profile else None
+    simulated = None
+    if args.sim_profile:
+        simulated = simulate_step(config, args, step_config, real_decode_events(watcher, step_at))
 
     result = {"args": vars(args), "table": table, "short_requests": short_rows, "overhead_ratio": overhead,
               "overhead_added_ms": added,
@@ -345,7 +349,7 @@ def simulated_decode_events(pools: dict) -> dict[str, float | None]:
     return {"asked": asked, "serving": up, "back_to_one": down}
 
 
-def simulate_step(config, args, url: str, real: dict[str, float | None]) -> dict:
+def simulate_step(config, args, step: BenchConfig, real: dict[str, float | None]) -> dict:
     """The step on the simulator: the same cluster file, requests and arrivals; the measured start-up time."""
     from pdserve.bench.latency_model import Profile
     from pdserve.bench.sim import SimConfig, simulate
@@ -354,8 +358,6 @@ def simulate_step(config, args, url: str, real: dict[str, float | None]) -> dict
     profile = Profile.load(args.sim_profile)
     startup_s = (real["serving"] - real["asked"] if real["asked"] is not None and real["serving"] is not None
                  else SimConfig.startup_s)
-    step = bench_config(url, args, request_rate=args.rate, duration=args.step_s, num_prompts=100000,
-                        progress=False)
     requests = [r for r in requests_from_bench(step, args.rate) if r.arrival < args.step_s]
     sim_config = SimConfig.from_serve(config, profile, startup_s=startup_s, autoscale_interval_s=args.sim_interval_s,
                                       settle_s=args.downscale_window_s + 60)
