@@ -22,6 +22,12 @@ cluster file through ``SimConfig.from_serve``, the step's own requests and arriv
 serving the start-up time measured here (Ray's STARTING to RUNNING) after it is asked for, the autoscaler
 deciding every --sim-interval-s; the decode pool's scale events, run and simulated, side by side, each
 difference against the autoscaler's window for that direction.
+
+    python benchmarks/autoscale.py --resimulate docs/bench/sim_validate/autoscale_step.json \
+        --sim-profile docs/bench/sim_validate/profile_1thread.json
+
+simulates a recorded run's step again (its arguments, requests, arrival times and measured start-up time,
+from its JSON) without Ray or a model server: for a change to the simulator, against the same run.
 """
 
 from __future__ import annotations
@@ -212,8 +218,15 @@ def main() -> None:
     p.add_argument("--sim-interval-s", type=float, default=0.5,
                    help="with --sim-profile: how often the simulated autoscaler decides (default: 0.5, Ray's "
                         "metrics interval in this cluster)")
+    p.add_argument("--resimulate", metavar="JSON", default=None,
+                   help="no run: simulate again the step of a run this script recorded (its autoscale.json), with "
+                        "--sim-profile (else the profile path it names), and write the JSON with the new simulation "
+                        "to --result-dir")
     p.add_argument("--result-dir", default="bench-results", help="where JSON and PNG go (default: bench-results)")
     args = p.parse_args()
+    if args.resimulate:
+        resimulate(Path(args.resimulate), args.sim_profile, Path(args.result_dir))
+        return
     if args.sim_profile:  # refused now, not after the run
         from pdserve.bench.latency_model import Profile
 
@@ -347,6 +360,29 @@ def simulated_decode_events(pools: dict) -> dict[str, float | None]:
     up = next((t for t, n, _ in line if n >= 2), None)
     down = None if up is None else next((t for t, n, _ in line if t > up and n <= 1), None)
     return {"asked": asked, "serving": up, "back_to_one": down}
+
+
+def resimulate(path: Path, profile: str | None, out: Path) -> None:
+    """The step of a recorded run (``path``, this script's JSON) simulated again: the run's arguments (its
+    profile replaced by ``profile`` when given), its cluster file and requests, its measured events."""
+    from pdserve.cluster.config import load_serve_config
+
+    recorded = json.loads(path.read_text())
+    if not recorded.get("simulated"):
+        raise SystemExit(f"{path}: no simulation recorded (the run had no --sim-profile): its real events are "
+                         "not all in it")
+    args = argparse.Namespace(**recorded["args"])
+    args.sim_profile = profile or args.sim_profile
+    args.result_dir = str(out)
+    real = {row["event"]: row["real_s"] for row in recorded["simulated"]["events"]}
+    config = load_serve_config(None, cluster_config(args, free_port()))
+    step = bench_config("http://127.0.0.1:1", args, request_rate=args.rate, duration=args.step_s, num_prompts=100000,
+                        progress=False)
+    recorded["simulated"] = simulate_step(config, args, step, real)
+    recorded["args"] = vars(args)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "autoscale.json").write_text(json.dumps(recorded, indent=1, default=str))
+    print(f"\nwrote {out / 'autoscale.json'}")
 
 
 def simulate_step(config, args, step: BenchConfig, real: dict[str, float | None]) -> dict:

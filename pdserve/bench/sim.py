@@ -91,6 +91,9 @@ from pdserve.state.store import KVEventRecord
 from pdserve.worker.metrics import RecentQuantile
 
 RUN_TIMES = 8  # a run's step times computed at a time (_Replica.extend_run)
+# A _PickIndex's heap is rebuilt from its current entries when it holds more than this many per replica
+# (plus PICK_HEAP_MIN): its older versions are skipped only when they reach the top.
+PICK_HEAP_SLACK, PICK_HEAP_MIN = 4, 64
 TOKEN = 0  # every sampled token (requests carry no EOS id: they end at max_tokens)
 ROLES = ("prefill", "decode")
 
@@ -116,6 +119,9 @@ class SimConfig:
     autoscaling: dict[str, AutoscalingConfig] = field(default_factory=dict)  # by role; absent: fixed size
     startup_s: float = 30.0  # a replica the autoscaler adds serves this long after it is asked for
     autoscale_interval_s: float = 1.0  # how often the autoscaling policy decides
+    # The policy sees each replica's numbers as Ray Serve hands them over: the samples taken at its
+    # decisions within this look-back, time-weighted (Serve's look_back_period_s; 0: the numbers now).
+    look_back_s: float = 0.0
     settle_s: float = 0.0  # the autoscaler keeps deciding this long after the last request ends (0: it stops then)
     seed: int = 0  # the policies' tie-breaks
     fast_decode: bool = True  # decode-only steps without the scheduler's objects (same results; False: reference)
@@ -133,7 +139,7 @@ class SimConfig:
         for key in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key}: must be at least 1, got {getattr(self, key)}")
-        for key in ("startup_s", "poll_interval_s", "recent_routes_s", "settle_s"):
+        for key in ("startup_s", "poll_interval_s", "recent_routes_s", "settle_s", "look_back_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must not be negative, got {getattr(self, key)}")
         if self.autoscale_interval_s <= 0:
@@ -162,6 +168,8 @@ class SimConfig:
             recent_routes_s=router.recent_routes_s, poll_interval_s=router.poll_interval_s,
             transfer_backend=serve.kv_transfer.backend,
             autoscaling={r: getattr(pools, r).autoscaling for r in ROLES if getattr(pools, r).autoscaling},
+            # what cluster/ray_app.py asks of Serve: a look-back of two metrics intervals
+            look_back_s=2 * serve.ray.metrics_interval_s,
         )
         return cls(**{**fields, **overrides})
 
@@ -441,8 +449,10 @@ class _Replica:
     def _end_decode(self, batch: list[Request]) -> list[tuple[Request, bool]]:
         outputs = []
         for r in batch:
-            r.append_output_token(TOKEN)
-            done = r.num_output_tokens >= r.max_output_tokens
+            tokens = r.output_token_ids  # Request.append_output_token, inlined (every request of every step)
+            tokens.append(TOKEN)
+            r.all_token_ids.append(TOKEN)
+            done = len(tokens) >= r.max_output_tokens
             if done:  # as update() ends it: FINISHED_LENGTH, out of running, its blocks freed in this order
                 self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_LENGTH)
             outputs.append((r, done))
@@ -458,17 +468,25 @@ class _Replica:
         past its first token (its first changes the router's counts). ``publishes``: KV events are read
         (a prefix index), so the run ends with the first step that makes or fills a block, whose events
         its end publishes."""
-        if any(r.num_output_tokens == 0 or r.max_output_tokens is None for r in batch):
-            return None
-        left = min(r.max_output_tokens - r.num_output_tokens for r in batch)
+        bs = self.kv.block_size
+        base: list[int] = []
+        residues: dict[int, list[int]] = {}
+        left = None  # steps until the first request reaches its length
+        for i, r in enumerate(batch):  # one pass: a run begins at every break of a 1,000-replica cluster
+            done, limit = len(r.output_token_ids), r.max_output_tokens
+            if done == 0 or limit is None:
+                return None
+            if left is None or limit - done < left:
+                left = limit - done
+            n = r.num_computed_tokens
+            base.append(n)
+            residues.setdefault(n % bs, []).append(i)
         if left < 2:
             return None
-        bs = self.kv.block_size
-        base = [r.num_computed_tokens for r in batch]
-        residues: dict[int, list[int]] = {}
-        for i, n in enumerate(base):
-            residues.setdefault(n % bs, []).append(i)
         free, need, steps = self.kv.pool.num_free_blocks, 0, 0
+        if not publishes and sum(len(places) * _block_starts(residue, left, bs)
+                                 for residue, places in residues.items()) <= free:
+            steps = left  # every new block of the ``left`` steps is free: the loop below would reach it
         while steps < left:
             starting = len(residues.get(-steps % bs, ()))
             if need + starting > free:
@@ -553,6 +571,13 @@ class _Replica:
         return not self.scheduler.requests and not self.stepping
 
 
+def _block_starts(residue: int, steps: int, block_size: int) -> int:
+    """How many of a run's steps 0 .. ``steps - 1`` start a new block for a request whose computed
+    tokens were ``residue`` modulo the block size when the run began (step j writes position base + j)."""
+    first = -residue % block_size
+    return 0 if first >= steps else (steps - 1 - first) // block_size + 1
+
+
 # ---- the simulation ------------------------------------------------------------------------------
 
 
@@ -599,7 +624,10 @@ class _PickIndex:
     first marks it dirty (``_Replica.watch``), the second falls due in time order (``expiry``).
     At a pick, what fell due and what is dirty is loaded again, as the router's every-worker scan
     would at that moment, and pushed with a new version; older versions are skipped when they
-    come up. The choice is the policy's over the same loads, so the simulation is unchanged.
+    come up, and dropped all at once when they outnumber the current ones (``PICK_HEAP_SLACK``;
+    a busy replica's old entries sink and would otherwise pile up: 145,000 of them after 350,000
+    requests on 1,000 replicas). The choice is the policy's over the same loads (one current entry
+    per replica, a total order), so the simulation is unchanged.
     """
 
     def __init__(self, replicas: list[_Replica], key, now: float, poll_s: float):
@@ -624,6 +652,9 @@ class _PickIndex:
         load = w.load(now, poll_s)
         version = self.version[w.worker_id] = self.version.get(w.worker_id, 0) + 1
         heapq.heappush(self.heap, (self.key(load), version, w.worker_id))
+        if len(self.heap) > PICK_HEAP_SLACK * len(self.members) + PICK_HEAP_MIN:  # mostly older versions:
+            self.heap = [e for e in self.heap if e[1] == self.version[e[2]]]  # only the current ones kept
+            heapq.heapify(self.heap)
         due = w._snapshot_at + poll_s
         if w.due != due:
             w.due = due
@@ -690,6 +721,7 @@ class _Simulation:
         self.ttft = RecentQuantile(clock=lambda: self.now)  # the pools' recent quantiles (worker/metrics.py)
         self.tpot = RecentQuantile(clock=lambda: self.now)
         self._finished_seen: dict[str, int] = {}
+        self._samples: dict[str, deque] = {}  # worker id -> its (time, numbers) within the look-back
         for role, n in (("prefill", config.prefill_replicas), ("decode", config.decode_replicas)):
             for _ in range(n):
                 self._ready(self._add_replica(role))
@@ -718,11 +750,12 @@ class _Simulation:
             self._at(self.requests[0].arrival, self._arrive, 0)
         if self.scalers:
             self._at(0.0, self._tick)
-        heap = self._heap
+        heap, pop, events = self._heap, heapq.heappop, 0
         while heap:
-            self.now, _, fn, arg = heapq.heappop(heap)
-            self.events += 1
+            self.now, _, fn, arg = pop(heap)
+            events += 1
             fn(arg)
+        self.events += events
         for flow in self.flows.values():  # stuck (no event could move them): failed
             flow.record.error = "unfinished"
         first = min((r.start for r in self.records), default=0.0)
@@ -1124,17 +1157,38 @@ class _Simulation:
         for w in ready:
             w.advance(self.now)
             s = w.scheduler
-            queued += sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
-            busy = s.num_running + s.num_waiting
             served = w.finished > self._finished_seen.get(w.worker_id, 0)
             self._finished_seen[w.worker_id] = w.finished
-            running += max(busy, 1 if served else 0)
-            usage += w.kv.usage
+            sample = (sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+                      max(s.num_running + s.num_waiting, 1 if served else 0), w.kv.usage)
+            q, r, u = self._looked_back(w, sample) if self.config.look_back_s else sample
+            queued += q
+            running += r
+            usage += u
+        if self.config.look_back_s:  # Serve's averages: cluster/ray_app.py rounds the pool's totals up
+            queued, running = math.ceil(queued - 1e-9), math.ceil(running - 1e-9)
         ttft, tpot = self.ttft.quantile(0.9), self.tpot.quantile(0.9)
         waiting = len(self.waiting_for_decode) if role == "decode" else int(self.woken_prefill)
         return PoolSignals(len(asked), queued, running, usage / max(len(ready), 1),
                            None if ttft is None else 1000 * ttft, None if tpot is None else 1000 * tpot,
                            waiting if not ready else 0)
+
+    def _looked_back(self, w: _Replica, sample: tuple) -> tuple:
+        """``sample`` (the replica's numbers now) kept, and the time-weighted mean of those taken within
+        the look-back, each held until the next and the last until now (Ray Serve's
+        ``time_weighted_average`` over a replica's report; its floor of 1 ms for the last)."""
+        samples = self._samples.setdefault(w.worker_id, deque())
+        samples.append((self.now, sample))
+        while samples[0][0] < self.now - self.config.look_back_s - 1e-9:
+            samples.popleft()
+        totals, weight = [0.0] * len(sample), 0.0
+        for i, (t, values) in enumerate(samples):
+            held = (samples[i + 1][0] if i + 1 < len(samples) else self.now) - t
+            held = max(held, 1e-3) if i + 1 == len(samples) else held
+            weight += held
+            for k, v in enumerate(values):
+                totals[k] += v * held
+        return tuple(x / weight for x in totals)
 
     def _resize(self, role: str, desired: int) -> None:
         asked = self._asked(role)

@@ -15,6 +15,7 @@ from pdserve.bench.metrics import SLO, RequestRecord, Summary
 from pdserve.bench.sim import SimConfig, SimRequest, _Simulation, simulate
 from pdserve.cluster.autoscale import AutoscalingConfig
 from pdserve.cluster.cli import main
+from pdserve.cluster.config import load_serve_config
 
 # Round numbers: a step is 10 ms + 0.1 ms per prompt token + 1 ms per decoding sequence; a transfer
 # 5 ms + 10 us per token (1,000 bytes a token at 1e-8 s a byte).
@@ -153,6 +154,25 @@ def test_the_autoscaler_adds_a_replica_after_its_window_and_it_serves_after_star
     assert max(asked for _, _, asked in timeline) <= 3
 
 
+def test_a_look_back_averages_what_the_autoscaler_sees_and_delays_a_step_by_less_than_itself():
+    """Serve hands the policy each replica's numbers averaged over its look-back (SimConfig.look_back_s,
+    from the cluster's metrics interval): a step of load is seen later, by less than the look-back plus
+    a decision interval, and the replica still comes."""
+    scaling = AutoscalingConfig(min_replicas=1, max_replicas=2, target_running_requests=2, upscale_window_s=2.0,
+                                downscale_window_s=60.0)
+    rng = random.Random(12)
+    requests = [SimRequest(i, 0.25 * i, ids(rng, 64), 200) for i in range(60)]
+    config = SimConfig(decode_replicas=1, autoscaling={"decode": scaling}, startup_s=3.0, autoscale_interval_s=0.5)
+
+    def asked_at(c: SimConfig) -> float:
+        return next(t for t, _, asked in run_checked(c, requests).pools["decode"] if asked == 2)
+
+    now, looked_back = asked_at(config), asked_at(dataclasses.replace(config, look_back_s=1.0))
+    assert now < looked_back <= now + 1.0 + config.autoscale_interval_s
+    serve = load_serve_config(None, {"ray": {"metrics_interval_s": 0.25}})
+    assert SimConfig.from_serve(serve, PROFILE).look_back_s == 0.5  # what cluster/ray_app.py asks of Serve
+
+
 def test_after_the_load_the_pool_scales_back_down_within_settle_s():
     scaling = AutoscalingConfig(min_replicas=1, max_replicas=2, target_running_requests=2, upscale_window_s=2.0,
                                 downscale_window_s=10.0)
@@ -278,11 +298,16 @@ def test_the_simulated_requests_are_the_ones_the_bench_sends(dataset):
     assert sum(not r.warmup for r in result.records) == 12 and result.summary(None).completed == 12
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["heap", "heap-rebuilt"])
 @pytest.mark.parametrize("pools", [(0, 4), (2, 3)], ids=["colocated", "disaggregated"])
-def test_indexed_picks_choose_what_the_policy_chooses_over_every_load(pools, monkeypatch):
+def test_indexed_picks_choose_what_the_policy_chooses_over_every_load(pools, compact, monkeypatch):
     """least_loaded and least_queued_prefill pick from an index kept by their key (_PickIndex):
     the records, decisions and replicas equal a run whose picks scan every worker's load, with
-    preemptions, retried reservations (few blocks) and an autoscaled pool changing the rotation."""
+    preemptions, retried reservations (few blocks) and an autoscaled pool changing the rotation.
+    ``compact``: the index's heap rebuilt from its current entries whenever it holds an old one."""
+    if compact:
+        monkeypatch.setattr("pdserve.bench.sim.PICK_HEAP_SLACK", 1)
+        monkeypatch.setattr("pdserve.bench.sim.PICK_HEAP_MIN", 0)
     config = SimConfig(prefill_replicas=pools[0], decode_replicas=pools[1], policy="least_loaded",
                        num_kv_blocks=160, max_num_seqs=8, poll_interval_s=0.05,
                        autoscaling={"decode": AutoscalingConfig(min_replicas=pools[1], max_replicas=pools[1] + 2,
