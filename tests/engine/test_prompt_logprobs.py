@@ -58,6 +58,9 @@ def test_prompt_logprobs_in_slices_equal_all_rows_at_once(make_engine, tiny_mode
     sliced = _prompt_logprobs(sliced_engine, prompt)
     assert len(sliced) == len(whole) == len(prompt)
     for a, b in zip(sliced[1:], whole[1:]):
-        assert a.sampled.token_id == b.sampled.token_id and a.sampled.rank == b.sampled.rank
+        # The head's product of 16 rows and of 70 rows may differ in a last bit (BLAS blocks them
+        # differently): on an AMD EPYC (AVX-512), one of ~49,000 logits crossed the sampled one's, a
+        # rank of 21,474 against 21,473 at an equal logprob. A slicing bug moves far more.
+        assert a.sampled.token_id == b.sampled.token_id and abs(a.sampled.rank - b.sampled.rank) <= 1
         assert abs(a.sampled.logprob - b.sampled.logprob) < 1e-5
         assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
