@@ -736,6 +736,7 @@ class _Simulation:
         self._indexes.clear()
         for replica in self.replicas:
             replica.watch, replica.run = None, None
+            replica.kv.pool.unthread()
         self.ttft = self.tpot = None
         self._heap.clear()
 

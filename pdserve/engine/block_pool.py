@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -35,6 +35,10 @@ class KVCacheBlock:
     # of a sliding-window layer group is cached under a key of its own that no router computes
     # (see kv_cache_manager.HybridKVCacheManager).
     published: bool = True
+    # Its neighbours in the pool's free queue while it is in it (a list threaded through the blocks,
+    # as vLLM's FreeKVCacheBlockQueue: no dictionary entry per free block to make, hash and free).
+    prev_free: KVCacheBlock | None = field(default=None, repr=False)
+    next_free: KVCacheBlock | None = field(default=None, repr=False)
 
 
 class KVEvent(NamedTuple):
@@ -97,7 +101,10 @@ class BlockPool:
     num_blocks: int
     enable_caching: bool = True
     blocks: list[KVCacheBlock] = field(init=False)
-    _free: OrderedDict[int, KVCacheBlock] = field(init=False)
+    # The free queue: a ring through the free blocks' prev_free/next_free, from and back to this
+    # sentinel (its next_free the front, its prev_free the back), and how many it holds.
+    _free: KVCacheBlock = field(init=False)
+    _num_queued: int = field(init=False, default=0)
     _cached: dict[BlockHash, KVCacheBlock] = field(init=False, default_factory=dict)
     events: KVEventBuffer = field(init=False)
 
@@ -106,14 +113,15 @@ class BlockPool:
         # never filled, as a simulated replica's, costs no object per block. The free queue is
         # then the ids never used, lowest first (always at its front), and ``_free`` after them.
         self.blocks = []
-        self._free = OrderedDict()
+        self._free = KVCacheBlock(-1)
+        self._free.prev_free = self._free.next_free = self._free
         # A consumer further behind than this does better to resync from snapshot() (at most
         # num_blocks hashes) than to replay; the margin covers a heartbeat's worth of churn.
         self.events = KVEventBuffer(4 * self.num_blocks)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free) + self.num_blocks - len(self.blocks)
+        return self._num_queued + self.num_blocks - len(self.blocks)
 
     @property
     def usage(self) -> float:
@@ -130,9 +138,13 @@ class BlockPool:
         fresh = min(n, self.num_blocks - made)  # never used (the queue's front): no cached prefix to evict
         out = [KVCacheBlock(i, 1) for i in range(made, made + fresh)]
         self.blocks.extend(out)
-        popitem, cached = self._free.popitem, self._cached
+        head, cached = self._free, self._cached
+        self._num_queued -= n - fresh
         for _ in range(n - fresh):
-            _, block = popitem(last=False)
+            block = head.next_free  # the front
+            head.next_free = after = block.next_free
+            after.prev_free = head
+            block.prev_free = block.next_free = None
             h = block.block_hash
             if h is not None:  # its cached prefix evicted
                 block.block_hash = None
@@ -144,20 +156,37 @@ class BlockPool:
             out.append(block)
         return out
 
+    def unthread(self) -> None:
+        """The free queue's links cut (the pool is done with): its blocks and sentinel reference each
+        other in a ring, which only the cyclic collector would free otherwise (the simulator runs
+        without it)."""
+        head, block = self._free, self._free.next_free
+        while block is not None and block is not head:
+            block.prev_free, block.next_free, block = None, None, block.next_free
+        head.prev_free = head.next_free = None
+        self._num_queued = 0
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks found by a prefix hit."""
         for block in blocks:
-            if block.ref_cnt == 0:
-                del self._free[block.block_id]
+            if block.ref_cnt == 0:  # out of the free queue
+                before, after = block.prev_free, block.next_free
+                before.next_free, after.prev_free = after, before
+                block.prev_free = block.next_free = None
+                self._num_queued -= 1
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference; pass blocks in the order they should be evicted (tail first)."""
+        head = self._free
         for block in blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
-            if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+            if block.ref_cnt == 0:  # to the back of the free queue
+                last = head.prev_free
+                last.next_free = head.prev_free = block
+                block.prev_free, block.next_free = last, head
+                self._num_queued += 1
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, publish: bool = True) -> None:
         """Offer ``block`` to prefix hits under ``block_hash``; ``publish``: as an event too."""

@@ -3,7 +3,9 @@ KV events a prefix index follows (bounded when nobody drains them, numbered, res
 
 from __future__ import annotations
 
+import random
 import threading
+from collections import OrderedDict
 
 from pdserve.engine.block_pool import BlockPool, KVEvent
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -54,6 +56,45 @@ def test_touch_takes_a_cached_free_block_out_of_the_free_queue():
     pool.touch([b])
     pool.free_blocks([b, b])
     assert b.ref_cnt == 0 and pool.num_free_blocks == 2
+
+
+def test_the_free_queue_hands_out_blocks_in_the_order_of_a_reference_queue():
+    """The queue threaded through the blocks against an ordered dict of the same operations: random
+    takes, frees (a reference dropped, in a random order) and touches of free blocks; every block
+    handed out, its place, the free count, the cached hashes."""
+    rng = random.Random(5)
+    pool = BlockPool(24)
+    reference: OrderedDict[int, int] = OrderedDict()  # block id -> ref count of the free ones (0)
+    made, held = 0, []  # ids never used are the front of the queue, lowest first
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.4 and pool.num_free_blocks:
+            n = rng.randint(1, min(4, pool.num_free_blocks))
+            fresh = min(n, 24 - made)
+            expected = list(range(made, made + fresh)) + [reference.popitem(last=False)[0] for _ in range(n - fresh)]
+            made += fresh
+            got = pool.get_new_blocks(n)
+            assert [b.block_id for b in got] == expected, step
+            for b in got:
+                assert pool.get_cached_block(bytes([b.block_id]) * 16) is None  # evicted when taken
+                pool.cache_block(b, bytes([b.block_id]) * 16)
+            held += got
+        elif op < 0.8 and held:
+            rng.shuffle(held)
+            k = rng.randint(1, len(held))
+            freed, held = held[:k], held[k:]
+            pool.free_blocks(freed)
+            for b in freed:
+                if b.ref_cnt == 0:
+                    reference[b.block_id] = 0
+        elif reference:
+            block_id = rng.choice(list(reference))
+            block = pool.get_cached_block(bytes([block_id]) * 16)
+            assert block is not None and block.block_id == block_id
+            pool.touch([block])
+            del reference[block_id]
+            held.append(block)
+        assert pool.num_free_blocks == len(reference) + 24 - made, step
 
 
 def test_manager_prefix_hit_leaves_one_token_to_compute():
