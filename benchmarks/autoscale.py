@@ -37,6 +37,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -44,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -327,7 +329,12 @@ def main() -> None:
 
     simulated = None
     if args.sim_profile:
-        simulated = simulate_step(config, args, step_config, real_decode_events(watcher, step_at))
+        real = real_decode_events(watcher, step_at)
+        moves = policy_moves(os.environ["RAY_TMPDIR"], "decode")
+        # The policy's own decision, from Serve's controller log: what the simulator's "asked" is (its
+        # replica is asked for at the decision); Ray's STARTING state shows after the actor is created.
+        real["decided"] = next((t - step_at for t, old, new in moves if t >= step_at and new > old), None)
+        simulated = simulate_step(config, args, step_config, real)
 
     result = {"args": vars(args), "table": table, "short_requests": short_rows, "overhead_ratio": overhead,
               "overhead_added_ms": added,
@@ -351,6 +358,20 @@ def real_decode_events(watcher: Watcher, step_at: float) -> dict[str, float | No
     down = None if up is None else next((t - step_at for t, _, n in watcher.samples
                                          if t - step_at > up and n <= 1), None)
     return {"asked": asked, "serving": up, "back_to_one": down}
+
+
+def policy_moves(ray_tmp: str, role: str) -> list[tuple[float, int, int]]:
+    """(time.time(), from, to) of each move of ``role``'s pool that its policy logged in Serve's controller
+    log (cluster/ray_app.py's ``PoolAutoscalingPolicy``; the log's times are this machine's local time)."""
+    line = re.compile(r"^\w+ (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*autoscaler " + role
+                      + r": (\d+) -> (\d+) replicas")
+    moves = []
+    for path in sorted(Path(ray_tmp).glob("**/logs/serve/controller_*.log")):
+        for text in path.read_text(errors="replace").splitlines():
+            m = line.match(text)
+            if m and m[2] != m[3]:
+                moves.append((datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp(), int(m[2]), int(m[3])))
+    return sorted(moves)
 
 
 def simulated_decode_events(pools: dict) -> dict[str, float | None]:
@@ -406,8 +427,13 @@ def simulate_step(config, args, step: BenchConfig, real: dict[str, float | None]
     print("| decode pool event | run (s after the step) | simulated | difference | within one window |")
     print("| --- | --- | --- | --- | --- |")
     rows = []
-    for key, name in (("asked", "second replica asked for"), ("serving", "second replica serving"),
-                      ("back_to_one", "back to one replica")):
+    keys = [("asked", "second replica asked for"), ("serving", "second replica serving"),
+            ("back_to_one", "back to one replica")]
+    if real.get("decided") is not None:  # runs that read the controller's log
+        keys.insert(0, ("decided", "the policy decides on a second replica"))
+        sim["decided"] = sim["asked"]  # the simulator asks for it at the decision
+        windows["decided"] = args.upscale_window_s
+    for key, name in keys:
         diff = None if real[key] is None or sim[key] is None else sim[key] - real[key]
         within = None if diff is None else abs(diff) <= windows[key]
         rows.append({"event": key, "real_s": real[key], "sim_s": sim[key], "diff_s": diff,
