@@ -449,10 +449,8 @@ class _Replica:
     def _end_decode(self, batch: list[Request]) -> list[tuple[Request, bool]]:
         outputs = []
         for r in batch:
-            tokens = r.output_token_ids  # Request.append_output_token, inlined (every request of every step)
-            tokens.append(TOKEN)
-            r.all_token_ids.append(TOKEN)
-            done = len(tokens) >= r.max_output_tokens
+            r.append_output_token(TOKEN)
+            done = r.num_output_tokens >= r.max_output_tokens
             if done:  # as update() ends it: FINISHED_LENGTH, out of running, its blocks freed in this order
                 self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_LENGTH)
             outputs.append((r, done))
@@ -473,7 +471,7 @@ class _Replica:
         residues: dict[int, list[int]] = {}
         left = None  # steps until the first request reaches its length
         for i, r in enumerate(batch):  # one pass: a run begins at every break of a 1,000-replica cluster
-            done, limit = len(r.output_token_ids), r.max_output_tokens
+            done, limit = r.num_output_tokens, r.max_output_tokens
             if done == 0 or limit is None:
                 return None
             if left is None or limit - done < left:
@@ -484,9 +482,6 @@ class _Replica:
         if left < 2:
             return None
         free, need, steps = self.kv.pool.num_free_blocks, 0, 0
-        if not publishes and sum(len(places) * _block_starts(residue, left, bs)
-                                 for residue, places in residues.items()) <= free:
-            steps = left  # every new block of the ``left`` steps is free: the loop below would reach it
         while steps < left:
             starting = len(residues.get(-steps % bs, ()))
             if need + starting > free:
@@ -569,13 +564,6 @@ class _Replica:
     @property
     def idle(self) -> bool:
         return not self.scheduler.requests and not self.stepping
-
-
-def _block_starts(residue: int, steps: int, block_size: int) -> int:
-    """How many of a run's steps 0 .. ``steps - 1`` start a new block for a request whose computed
-    tokens were ``residue`` modulo the block size when the run began (step j writes position base + j)."""
-    first = -residue % block_size
-    return 0 if first >= steps else (steps - 1 - first) // block_size + 1
 
 
 # ---- the simulation ------------------------------------------------------------------------------
@@ -1182,14 +1170,11 @@ class _Simulation:
         samples.append((self.now, sample))
         while samples[0][0] < self.now - self.config.look_back_s - 1e-9:
             samples.popleft()
-        totals, weight = [0.0] * len(sample), 0.0
-        for i, (t, values) in enumerate(samples):
-            held = (samples[i + 1][0] if i + 1 < len(samples) else self.now) - t
-            held = max(held, 1e-3) if i + 1 == len(samples) else held
-            weight += held
-            for k, v in enumerate(values):
-                totals[k] += v * held
-        return tuple(x / weight for x in totals)
+        times = [t for t, _ in samples]
+        held = [b - a for a, b in zip(times, times[1:])] + [max(self.now - times[-1], 1e-3)]
+        weight = sum(held)
+        return tuple(sum(values[k] * h for (_, values), h in zip(samples, held)) / weight
+                     for k in range(len(sample)))
 
     def _resize(self, role: str, desired: int) -> None:
         asked = self._asked(role)
