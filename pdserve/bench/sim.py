@@ -109,6 +109,7 @@ class SimConfig:
     num_kv_blocks: int = 8192  # per replica
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    max_prefill_tokens: int | None = None  # the engine's prompt share of a step (None: the whole budget)
     scheduling_policy: str = "fcfs"
     enable_prefix_caching: bool = True
     disaggregation: DisaggregationConfig = DisaggregationConfig()
@@ -136,8 +137,8 @@ class SimConfig:
         if self.decode_replicas < 1 and (decode_scaler is None or decode_scaler.min_replicas):
             raise ConfigError(f"pools.decode.replicas: at least one decode worker is needed, got "
                               f"{self.decode_replicas}")
-        for key in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, key) < 1:
+        for key in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_prefill_tokens"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key}: must be at least 1, got {getattr(self, key)}")
         for key in ("startup_s", "poll_interval_s", "recent_routes_s", "settle_s", "look_back_s"):
             if getattr(self, key) < 0:
@@ -162,7 +163,8 @@ class SimConfig:
         fields = dict(
             prefill_replicas=pools.prefill.replicas, decode_replicas=pools.decode.replicas, policy=router.policy,
             block_size=engine.block_size, num_kv_blocks=blocks, max_num_batched_tokens=engine.max_num_batched_tokens,
-            max_num_seqs=engine.max_num_seqs, scheduling_policy=engine.scheduling_policy,
+            max_num_seqs=engine.max_num_seqs, max_prefill_tokens=engine.max_prefill_tokens,
+            scheduling_policy=engine.scheduling_policy,
             enable_prefix_caching=engine.enable_prefix_caching,
             disaggregation=DisaggregationConfig(router.disagg_min_prompt_tokens, router.disagg_min_uncached_tokens),
             recent_routes_s=router.recent_routes_s, poll_interval_s=router.poll_interval_s,
@@ -283,7 +285,7 @@ class _Replica:
         if config.policy != "cache_aware":  # no prefix index reads its KV events
             self.kv.pool.events = KVEventBuffer(0)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, config.max_prefill_tokens)
         self.state = "starting"  # starting -> ready -> draining -> stopped (or starting -> stopped)
         self.stepping = False
         self.run: _Run | None = None  # the decode-only steps under way as one event (fast_decode)

@@ -164,7 +164,7 @@ class LLMEngine:
             self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                      self.loaded.fingerprint)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, config.max_prefill_tokens)
         self.runner = ModelRunner(
             self.loaded.model, num_blocks, config.block_size, config.seed, config.attention_backend,
             config.kv_cache_dtype, self.kv_groups,
@@ -193,15 +193,18 @@ class LLMEngine:
         if draft is not None:
             models.append((draft.model, min(c.max_num_batched_tokens, c.max_num_seqs)))
         shapes = calls = 0
+        # A step's rows: its prompt share, and a row per running sequence (its proposals' too) beside it.
+        rows = min(c.max_num_batched_tokens, (c.max_prefill_tokens or c.max_num_batched_tokens)
+                   + c.max_num_seqs * (1 + spec))
         for model, head_rows in models:
-            s, n = warm_up_projections(model, c.max_num_batched_tokens, head_rows, c.load_progress)
+            s, n = warm_up_projections(model, rows, head_rows, c.load_progress)
             shapes, calls = shapes + s, calls + n
         if self.heap is not None:
             self.heap.check(time.monotonic())  # the warm-up's activations go back above the bound
         if calls:
             log.info("warm-up: %d projection shapes at %d row counts in %.1f s (oneDNN's kernels for every step "
                      "size up to %d tokens; --no-warmup skips it)", shapes, calls, time.perf_counter() - start,
-                     c.max_num_batched_tokens)
+                     rows)
 
     def _linear_path(self, dtype: torch.dtype) -> str:
         plan = self.cpu_plan

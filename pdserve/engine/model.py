@@ -41,11 +41,16 @@ class Linear(nn.Module):
     # in buckets of 16 by under 100 MiB, flat once each bucket was seen. The rows' outputs are bitwise
     # those of the unpadded call (benchmarks/onednn_shapes.py; tests/engine/test_cpu_isa.py).
     ROW_BUCKET = 16
-    # From 512 rows the buckets widen so that there are this many per doubling of the rows (32 rows
-    # wide from 512, 64 from 1,024, 128 from 2,048: at most 1/16 of a step's rows are padding). The
-    # start-up warm-up runs every bucket once: 2,048 tokens' 128 buckets of 16 took 4.7-6.8 s on a
-    # 2-core Xeon, these 64 buckets carry a third of the rows. 0: every bucket ROW_BUCKET wide.
+    # From WIDEN_FROM rows the buckets widen so that there are this many per doubling of the rows (64
+    # rows wide from 1,024, 128 from 2,048: at most 1/16 of a step's rows are padding). The start-up
+    # warm-up runs every bucket once: 2,048 tokens' 128 buckets of 16 took 4.7-6.8 s on a 2-core Xeon,
+    # these 80 carry 44% of the rows. 0: every bucket ROW_BUCKET wide. Below 1,024 they stay 16 wide: a
+    # served step is often one 512-token prompt chunk with the decoding requests' rows beside it, and
+    # oneDNN's time follows the padded rows: beside 4 decoding requests such a step took 56-58 ms more
+    # than the prompt alone padded to 544 rows (buckets of 32 from 512), 31-32 ms more padded to 528
+    # (the engine, 2 threads, AMD EPYC Zen 4, two runs each, interleaved).
     BUCKETS_PER_DOUBLING = 16
+    WIDEN_FROM = 1024
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -60,7 +65,7 @@ class Linear(nn.Module):
     def padded_rows(cls, rows: int) -> int:
         """The row count the oneDNN path computes for ``rows`` rows (the bucket's upper end)."""
         step = cls.ROW_BUCKET
-        if cls.BUCKETS_PER_DOUBLING:
+        if cls.BUCKETS_PER_DOUBLING and rows >= cls.WIDEN_FROM:
             step = max(step, (1 << (rows.bit_length() - 1)) // cls.BUCKETS_PER_DOUBLING)
         return -(-rows // step) * step
 

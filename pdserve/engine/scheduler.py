@@ -95,12 +95,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         policy: str = "fcfs",
+        max_prefill_tokens: int | None = None,
     ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: {policy!r} is not fcfs or priority")
         self.kv = kv
         self.policy = policy
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Prompt tokens (chunks of prompts, recomputations) one step computes at most; decoding requests'
+        # tokens come on top, within max_num_batched_tokens. None: the whole budget.
+        self.max_prefill_tokens = max_prefill_tokens or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -190,22 +194,38 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        prefill = self.max_prefill_tokens  # of the budget, what prompt chunks may still take
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            chunk = num_new > 1  # a prompt chunk (or a recomputation): within the prompt share too
+            if chunk:
+                if prefill <= 0:
+                    i += 1
+                    continue
+                num_new = min(num_new, prefill)
             num_spec = self._spec_slots(request, budget)
             preempted, before, returned = self._allocate_or_preempt(request, num_new + num_spec, out)
             i -= before  # preempted requests ahead of it in the list: it moved up
             budget += returned  # the step's tokens of preempted requests already scheduled come back
+            if returned:
+                prefill = self.max_prefill_tokens - self._prompt_tokens(out)
             if preempted:
                 continue  # it gave its own blocks back (fcfs: it was the last; priority: the lowest class)
             out.scheduled.append(self._take(request, num_new, num_spec))
             budget -= num_new + num_spec
+            if chunk:
+                prefill -= num_new
             i += 1
         if not out.preempted_ids:
-            budget = self._admit_waiting(budget, out)
+            budget = self._admit_waiting(budget, out, prefill)
         return out
+
+    @staticmethod
+    def _prompt_tokens(out: SchedulerOutput) -> int:
+        """Tokens of prompt chunks (not decodes, nor their proposal slots) scheduled in ``out`` so far."""
+        return sum(s.num_tokens for s in out.scheduled if s.num_tokens - s.num_spec > 1)
 
     @staticmethod
     def _spec_slots(request: Request, budget: int) -> int:
@@ -252,10 +272,12 @@ class Scheduler:
         running requests: for a caller that stepped the running requests itself (the simulator's
         decode-only part of a step, pdserve/bench/sim.py), with no preemption among them."""
         out = SchedulerOutput()
-        self._admit_waiting(budget, out)
+        self._admit_waiting(budget, out, self.max_prefill_tokens)
         return out
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+    def _admit_waiting(self, budget: int, out: SchedulerOutput, prefill: int) -> int:
+        """Admit waiting requests in order within ``budget`` tokens, of which prompt chunks take at most
+        ``prefill``; the budget left."""
         bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -264,6 +286,11 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(request) if fresh and request.prompt_logprobs is None else []
             num_computed = request.num_computed_tokens + len(hits) * bs
             num_new = min(request.num_tokens - num_computed, budget)
+            chunk = num_new > 1
+            if chunk:
+                if prefill <= 0:
+                    break  # the step's prompt share is spent: it waits for the next step, in its place
+                num_new = min(num_new, prefill)
             got = self.kv.allocate_slots(request, num_new, hits)
             while got is None and self.kv.shrink_chunks and not self.running and num_new > bs:
                 # Alone and still short, where a window bounds what a sequence holds (layer groups):
@@ -286,6 +313,8 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._take(request, num_new))
             budget -= num_new
+            if chunk:
+                prefill -= num_new
         return budget
 
     def _release_waiting_blocks(self, head: Request) -> bool:

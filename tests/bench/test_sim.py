@@ -16,6 +16,7 @@ from pdserve.bench.sim import SimConfig, SimRequest, _Simulation, simulate
 from pdserve.cluster.autoscale import AutoscalingConfig
 from pdserve.cluster.cli import main
 from pdserve.cluster.config import load_serve_config
+from pdserve.configs import ConfigError
 
 # Round numbers: a step is 10 ms + 0.1 ms per prompt token + 1 ms per decoding sequence; a transfer
 # 5 ms + 10 us per token (1,000 bytes a token at 1e-8 s a byte).
@@ -57,6 +58,26 @@ def test_one_request_on_one_replica_takes_the_profiles_step_times():
     assert r.itl == pytest.approx([DECODE_STEP] * 4)
     assert r.tpot == pytest.approx(DECODE_STEP)
     assert r.output_tokens == 5 and result.duration_s == pytest.approx(prefill_s(200) + 4 * DECODE_STEP)
+
+
+def test_a_prompt_share_prefills_a_burst_one_prompt_after_the_other():
+    """Three 200-token prompts arriving while a fourth is prefilled: in one step after it without a prompt
+    share (each first token when the last prompt's is), one after the other with ``max_prefill_tokens``
+    200 (the engine's scheduler): the first one's first token sooner by the other two's prompts."""
+    rng = random.Random(7)
+    requests = [SimRequest(0, 0.0, ids(rng, 200), 50)] + [SimRequest(i, 0.001, ids(rng, 200), 2) for i in (1, 2, 3)]
+
+    def burst_ttfts(config: SimConfig) -> list[float]:
+        return sorted(r.ttft for r in run_checked(config, requests).records if r.index)
+
+    together = burst_ttfts(SimConfig())
+    assert together == pytest.approx([together[0]] * 3)
+    apart = burst_ttfts(SimConfig(max_prefill_tokens=200))
+    assert apart[0] < apart[1] < apart[2]
+    assert together[0] - apart[0] == pytest.approx(prefill_s(600) - prefill_s(200), rel=0.05)
+    assert sum(apart) < sum(together)  # the last one waits the longer for it: a step's overhead twice more
+    with pytest.raises(ConfigError, match="max_prefill_tokens"):
+        SimConfig(max_prefill_tokens=0)
 
 
 def test_the_same_seed_gives_the_same_records_and_another_differs():

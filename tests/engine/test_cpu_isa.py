@@ -91,7 +91,7 @@ def test_the_onednn_path_pads_rows_to_its_buckets_and_each_row_is_bitwise_the_un
         assert y.shape == (rows, 80) and y.is_contiguous()
         assert torch.equal(y, real(x, layer.packed_weight(), None, "none", [], ""))
         assert torch.allclose(y, x @ layer.weight.T, rtol=1e-4, atol=1e-4)
-    assert given == [16, 16, 16, 32, 48, 144, 608, 1152]  # from 512 rows buckets widen: 32, then 64
+    assert given == [16, 16, 16, 32, 48, 144, 608, 1152]  # from 1,024 rows buckets widen: 64, then 128
 
 
 def test_the_warm_up_builds_the_bucket_of_every_row_count_a_step_can_bring(monkeypatch):
@@ -112,4 +112,4 @@ def test_the_warm_up_builds_the_bucket_of_every_row_count_a_step_can_bring(monke
     shapes, calls = warm_up_projections(model, budget, 64)
     assert (shapes, calls) == (1, len(given)) and len(set(given)) == len(given)
     assert {Linear.padded_rows(r) for r in range(4, budget + 1)} == set(given)
-    assert len(given) == 64  # 16 + 16 of 16 rows up to 512, 16 of 32 to 1,024, 16 of 64 to 2,048
+    assert len(given) == 80  # 64 of 16 rows up to 1,024, 16 of 64 to 2,048

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import random
 
-from pdserve.engine import SamplingParams
+import pytest
+
+from pdserve.configs import ConfigError
+from pdserve.engine import EngineConfig, SamplingParams
 from pdserve.engine.request import RequestStatus
 from tests.conftest import run_to_completion
 
@@ -38,6 +41,41 @@ def test_token_budget_chunks_prefill_and_mixes_decodes(make_engine):
             seen_mixed = True
         engine._process(engine.scheduler.update(sched, engine.runner.execute(sched)))
     assert seen_mixed, "a decode never shared a step with a prefill chunk"
+
+
+def test_prompt_share_prefills_waiting_prompts_one_after_the_other_with_decodes_on_top(make_engine):
+    """``max_prefill_tokens``: prompt chunks take at most that many tokens of a step, the earliest prompt
+    first (it finishes before a later one starts), decodes beside them within the whole budget; the
+    outputs are those of an engine without the cap (batching, chunking and preemption as well)."""
+    ps = prompts(5, lo=20, hi=40, seed=3)
+    engine = make_engine(max_num_batched_tokens=64, max_prefill_tokens=24)
+    engine.add_request("first", [7, 8, 9], GREEDY)
+    engine.step()  # "first" decodes from now on
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", p, GREEDY)
+    order, seen_beside = [], False
+    while engine.has_unfinished():
+        sched = engine.scheduler.schedule()
+        chunks = [s for s in sched.scheduled if s.num_tokens > 1]
+        assert sum(s.num_tokens for s in chunks) <= 24
+        assert sched.num_tokens <= 64
+        seen_beside |= bool(chunks) and any(s.num_tokens == 1 for s in sched.scheduled)
+        for s in chunks:
+            if s.request.request_id not in order:
+                order.append(s.request.request_id)
+        engine._process(engine.scheduler.update(sched, engine.runner.execute(sched)))
+        begun = [r for r in engine.scheduler.requests.values() if 0 < r.num_computed_tokens < r.num_prompt_tokens]
+        assert len(begun) <= 1, "a later prompt began before an earlier one was prefilled"
+    assert order == [f"r{i}" for i in range(5)]
+    assert seen_beside, "no decode shared a step with a prompt chunk"
+    alone = generate(make_engine(), ps)
+    assert generate(make_engine(max_prefill_tokens=24), ps) == alone
+    assert generate(make_engine(max_prefill_tokens=5, max_num_batched_tokens=9), ps) == alone
+    tight = make_engine(num_kv_blocks=8, max_prefill_tokens=16)  # preempts, and recomputes within the share
+    assert generate(tight, ps) == alone
+    assert tight.scheduler.num_preemptions > 0
+    with pytest.raises(ConfigError, match="max_prefill_tokens must be positive"):
+        EngineConfig(max_prefill_tokens=0)
 
 
 def test_cap_on_running_requests(make_engine):
