@@ -268,7 +268,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 SERVERS = {"vllm": "vllm serve", "colocated": "pdserve colocated", "colocated-bf16": "pdserve colocated, bf16 weights",
-           "1p1d": "pdserve 1 prefill + 1 decode"}
+           "colocated-p512": "pdserve colocated, --max-prefill-tokens 512", "1p1d": "pdserve 1 prefill + 1 decode"}
 
 
 def serve_servers(args, port: int) -> dict[str, list[str]]:
@@ -288,6 +288,8 @@ def serve_servers(args, port: int) -> dict[str, list[str]]:
                          "--no-enable-prefix-caching"],
         "colocated": lambda: [*pd("colocated"), "--prefill", "0", "--decode", "1"],
         "colocated-bf16": lambda: [*pd("colocated-bf16"), "--prefill", "0", "--decode", "1", "--quantization", "bf16"],
+        "colocated-p512": lambda: [*pd("colocated-p512"), "--prefill", "0", "--decode", "1",
+                                   "--max-prefill-tokens", "512"],
         "1p1d": lambda: [*pd("1p1d"), "--prefill", "1", "--decode", "1"],
     }
     return {SERVERS[name]: (ports[name], commands[name]()) for name in names}
