@@ -200,11 +200,9 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             chunk = num_new > 1  # a prompt chunk (or a recomputation): within the prompt share too
-            if chunk:
-                if prefill <= 0:
-                    i += 1
-                    continue
-                num_new = min(num_new, prefill)
+            if chunk and (num_new := self._within_share(num_new, prefill)) == 0:
+                i += 1
+                continue
             num_spec = self._spec_slots(request, budget)
             preempted, before, returned = self._allocate_or_preempt(request, num_new + num_spec, out)
             i -= before  # preempted requests ahead of it in the list: it moved up
@@ -221,6 +219,11 @@ class Scheduler:
         if not out.preempted_ids:
             budget = self._admit_waiting(budget, out, prefill)
         return out
+
+    @staticmethod
+    def _within_share(num_new: int, prefill: int) -> int:
+        """A prompt chunk of ``num_new`` tokens cut to the step's prompt share left (0: it is spent)."""
+        return min(num_new, max(prefill, 0))
 
     @staticmethod
     def _prompt_tokens(out: SchedulerOutput) -> int:
@@ -287,10 +290,8 @@ class Scheduler:
             num_computed = request.num_computed_tokens + len(hits) * bs
             num_new = min(request.num_tokens - num_computed, budget)
             chunk = num_new > 1
-            if chunk:
-                if prefill <= 0:
-                    break  # the step's prompt share is spent: it waits for the next step, in its place
-                num_new = min(num_new, prefill)
+            if chunk and (num_new := self._within_share(num_new, prefill)) == 0:
+                break  # the step's prompt share is spent: it waits for the next step, in its place
             got = self.kv.allocate_slots(request, num_new, hits)
             while got is None and self.kv.shrink_chunks and not self.running and num_new > bs:
                 # Alone and still short, where a window bounds what a sequence holds (layer groups):
