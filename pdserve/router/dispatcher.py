@@ -116,6 +116,7 @@ class Dispatcher:
     async def run(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         generated: list[int] = []
         emitted = 0  # characters of text sent to the client
+        finished = False
         route = self._route_request(request)
         stream = self._first_leg(request, route)
         for migration in range(self.max_migrations + 1):
@@ -128,9 +129,13 @@ class Dispatcher:
                         self.metrics.cached_tokens.labels("actual").inc(msg.num_cached_tokens)
                     generated.extend(msg.token_ids)
                     emitted += len(msg.text)
+                    finished = msg.finished
                     yield msg
                 return
             except WorkerLostError as e:
+                if finished:  # lost after its last message, before the call's status: nothing is missing
+                    log.info("request %s: its worker was lost after the last message (%s)", request.request_id, e)
+                    return
                 if migration == self.max_migrations:
                     raise
                 self.metrics.faults.labels("decode_worker_lost").inc()

@@ -51,15 +51,17 @@ def make_client(tokenizer):
 
 class ScriptedCall:
     """A worker call as the router reads it (``read``, ``cancel``): fixed messages, then EOF; or, with
-    ``error``, a failure of that status at the first read."""
+    ``error``, a failure of that status once they are read (at the first read without messages)."""
 
     def __init__(self, messages=(), error: grpc.StatusCode | None = None):
         self.messages, self.error = list(messages), error
 
     async def read(self):
+        if self.messages:
+            return self.messages.pop(0)
         if self.error is not None:
             raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(), "killed")
-        return self.messages.pop(0) if self.messages else grpc.aio.EOF
+        return grpc.aio.EOF
 
     def cancel(self):
         return False

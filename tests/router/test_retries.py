@@ -64,3 +64,39 @@ def test_without_a_wait_the_request_is_answered_503(make_client):
     client = make_client([dead, alive], startup_wait_s=0)
     r = run(_complete(client))
     assert r.status_code == 503 and "every decode worker failed" in r.json()["error"]["message"]
+
+
+class _FinishedThenKilled(_Dead):
+    """A worker killed after sending its last message, before the call's closing status."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def Generate(self, request):
+        self.calls += 1
+        return ScriptedCall([pb.GenerateResponse(token_ids=[7], text="x"),
+                             pb.GenerateResponse(token_ids=[8], text="y", finished=True, finish_reason="length")],
+                            error=grpc.StatusCode.UNAVAILABLE)
+
+
+class _Counting(_Alive):
+    def __init__(self):
+        self.calls = 0
+
+    def Generate(self, request):
+        self.calls += 1
+        return super().Generate(request)
+
+
+def test_a_stream_lost_after_its_last_message_is_answered_not_migrated(make_client):
+    """Its worker killed between the finished message and the status: the answer is complete; a
+    continuation would have sampled one token past max_tokens (17 of 16, in the Ray kill test)."""
+    lost, other = in_rotation("decode"), in_rotation("decode")
+    lost.stub, other.stub = _FinishedThenKilled(), _Counting()
+    other.info = pb.WorkerInfo(worker_id="decode-1", role="decode", model=MODEL, max_model_len=8192)
+    other.healthy = False  # the request goes to the one that is lost
+    client = make_client([lost, other], startup_wait_s=0)
+    r = run(client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2}))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert (lost.stub.calls, other.stub.calls) == (1, 0)
