@@ -281,11 +281,11 @@ class EngineConfig:
     )
     load_progress: bool = doc(True, "show a progress bar while the model loads")
     warmup: bool | None = doc(
-        None, "before serving, run each projection once at every row bucket (16 rows, wider from 1,024) up to the "
-        "rows a step can bring (the prompt share plus a row per sequence, within the token budget), so oneDNN "
-        "builds its kernels at start-up (seconds; the default model: 80 buckets, 2.4 s on 2 Zen 4 cores) "
-        "rather than in the first steps of each new size, under load, growing the worker as "
-        "it meets them; CPU only (default: on, unless the environment sets PDSERVE_WARMUP=0, as the test "
+        None, "before serving, run each projection once at every row bucket (16 rows) up to the rows a step can "
+        "bring (the prompt share plus a row per sequence, within the token budget), at most 512, so oneDNN "
+        "builds those kernels at start-up (the default model: 32 buckets, 0.3 s on 2 Zen 4 cores) rather than "
+        "in decode steps under load (larger buckets: built by the first step that brings them, 1-3.5 ms); CPU only "
+        "(default: on, unless the environment sets PDSERVE_WARMUP=0, as the test "
         "suite does)")
     speculative_config: str | dict | None = doc(
         None, "speculative decoding, as JSON (or a YAML mapping): {\"method\": \"ngram\", "

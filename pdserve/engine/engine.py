@@ -25,7 +25,7 @@ from pdserve.engine.cpu_isa import select_isa
 from pdserve.engine.cpu_kernels import HeapBound, keep_freed_memory
 from pdserve.engine.kv_cache_manager import HybridKVCacheManager, KVCacheManager, kv_groups
 from pdserve.engine.loader import LoadedModel, load_model
-from pdserve.engine.model import warm_up_projections
+from pdserve.engine.model import Linear, warm_up_projections
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestOutput, RequestStatus
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -203,8 +203,8 @@ class LLMEngine:
             self.heap.check(time.monotonic())  # the warm-up's activations go back above the bound
         if calls:
             log.info("warm-up: %d projection shapes at %d row counts in %.1f s (oneDNN's kernels for every step "
-                     "size up to %d tokens; --no-warmup skips it)", shapes, calls, time.perf_counter() - start,
-                     rows)
+                     "size up to %d tokens, larger ones at their first step; --no-warmup skips it)", shapes, calls,
+                     time.perf_counter() - start, min(rows, Linear.WARM_MAX_ROWS))
 
     def _linear_path(self, dtype: torch.dtype) -> str:
         plan = self.cpu_plan

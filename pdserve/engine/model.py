@@ -42,15 +42,21 @@ class Linear(nn.Module):
     # those of the unpadded call (benchmarks/onednn_shapes.py; tests/engine/test_cpu_isa.py).
     ROW_BUCKET = 16
     # From WIDEN_FROM rows the buckets widen so that there are this many per doubling of the rows (64
-    # rows wide from 1,024, 128 from 2,048: at most 1/16 of a step's rows are padding). The start-up
-    # warm-up runs every bucket once: 2,048 tokens' 128 buckets of 16 took 4.7-6.8 s on a 2-core Xeon,
-    # these 80 carry 44% of the rows. 0: every bucket ROW_BUCKET wide. Below 1,024 they stay 16 wide: a
+    # rows wide from 1,024, 128 from 2,048: at most 1/16 of a step's rows are padding): 2,048 tokens'
+    # 128 buckets of 16 become 80. 0: every bucket ROW_BUCKET wide. Below 1,024 they stay 16 wide: a
     # served step is often one 512-token prompt chunk with the decoding requests' rows beside it, and
     # oneDNN's time follows the padded rows: beside 4 decoding requests such a step took 56-58 ms more
     # than the prompt alone padded to 544 rows (buckets of 32 from 512), 31-32 ms more padded to 528
     # (the engine, 2 threads, AMD EPYC Zen 4, two runs each, interleaved).
     BUCKETS_PER_DOUBLING = 16
     WIDEN_FROM = 1024
+    # The start-up warm-up builds the buckets up to this many rows; larger ones are built by the first
+    # step that brings them. Building a bucket's kernels costs about the same at any row count (1-3.5 ms
+    # for the default model's four body shapes, 225 ms for all 80 buckets up to 2,048 rows), but running
+    # a bucket's GEMMs to build them costs its rows: warming all 80 took 2.2 of the engine's 4.5 s start
+    # on 2 Zen 4 cores, those up to 512 rows 0.3 s. Below 512 rows a first build is up to 2x a call (a
+    # decode step's projections), above it under 10% of a call and 1% of the step.
+    WARM_MAX_ROWS = 512
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -117,8 +123,11 @@ def warm_up_projections(model: nn.Module, max_rows: int, head_rows: int, progres
     count not met before paid for building them, and the process grew by about 0.55 MiB per bucket
     and shape until every bucket was seen (a worker started mid-run grew for the rest of it).
     ``max_rows``: the step's token budget; ``head_rows``: the most rows the output head computes
-    in a step (the sampled rows; prompt logprobs can bring more). Returns (shapes, calls)."""
+    in a step (the sampled rows; prompt logprobs can bring more); both capped at ``Linear.WARM_MAX_ROWS``
+    (larger buckets: built by the first step that brings them). Returns (shapes, calls)."""
     from tqdm import tqdm
+
+    max_rows, head_rows = min(max_rows, Linear.WARM_MAX_ROWS), min(head_rows, Linear.WARM_MAX_ROWS)
 
     head = getattr(model, "lm_head", None)
     plan: dict[tuple, tuple[Linear, int]] = {}

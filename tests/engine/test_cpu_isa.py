@@ -95,8 +95,8 @@ def test_the_onednn_path_pads_rows_to_its_buckets_and_each_row_is_bitwise_the_un
 
 
 def test_the_warm_up_builds_the_bucket_of_every_row_count_a_step_can_bring(monkeypatch):
-    """Every row count from the C kernel's last to the token budget lands in a bucket the warm-up ran,
-    no bucket twice, and at most 1/16 of a padded step is padding."""
+    """Every row count from the C kernel's last to the token budget (at most ``WARM_MAX_ROWS``) lands in
+    a bucket the warm-up ran, no bucket twice, and at most 1/16 of a padded step is padding."""
     import torch
 
     from pdserve.engine.model import Linear, warm_up_projections
@@ -111,5 +111,6 @@ def test_the_warm_up_builds_the_bucket_of_every_row_count_a_step_can_bring(monke
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: (given.append(x.shape[0]), real(x, *a))[1])
     shapes, calls = warm_up_projections(model, budget, 64)
     assert (shapes, calls) == (1, len(given)) and len(set(given)) == len(given)
-    assert {Linear.padded_rows(r) for r in range(4, budget + 1)} == set(given)
-    assert len(given) == 80  # 64 of 16 rows up to 1,024, 16 of 64 to 2,048
+    assert {Linear.padded_rows(r) for r in range(4, Linear.WARM_MAX_ROWS + 1)} == set(given)
+    assert len(given) == 32  # of 16 rows up to 512 (the 48 larger ones up to 2,048: built by their first step)
+    assert len({Linear.padded_rows(r) for r in range(4, budget + 1)}) == 80  # 64 of 16 up to 1,024, 16 of 64
