@@ -252,6 +252,9 @@ class LLMEngine:
             if len(ids) + len(output_token_ids) >= self.max_model_len:
                 raise InvalidRequestError("output_token_ids", "prompt and earlier output fill the context",
                                           code="context_length_exceeded")
+            if params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
+                raise InvalidRequestError("output_token_ids", f"{len(output_token_ids)} earlier output tokens "
+                                          f"already reach max_tokens ({params.max_tokens}): nothing is left")
             request.add_prior_outputs(list(output_token_ids), self.model_config.vocab_size, emitted_text_len)
         if handoff_after is not None:
             request.handoff_at = request.num_output_tokens + handoff_after

@@ -189,3 +189,16 @@ def test_a_stop_string_inside_an_accepted_run_of_proposals_keeps_the_same_tokens
     assert spec.stats().spec_accepted > before, "the seeded request accepted no proposal"
     assert_no_leaks(plain)
     assert_no_leaks(spec)
+
+
+def test_a_continuation_with_max_tokens_already_reached_is_refused(make_engine):
+    """Nothing is left to generate: sampling on would put a token past ``max_tokens`` (a router once
+    continued a stream whose worker was lost after its last message: 17 tokens of 16)."""
+    from pdserve.engine.sampling_params import InvalidRequestError
+
+    engine = make_engine()
+    params = SamplingParams(**BASE)
+    with pytest.raises(InvalidRequestError) as e:
+        engine.make_request("x", PROMPT, params, output_token_ids=list(range(100, 124)))
+    assert e.value.field == "output_token_ids" and "already reach max_tokens (24)" in str(e.value)
+    assert engine.make_request("y", PROMPT, params, output_token_ids=list(range(100, 123))).num_output_tokens == 23
