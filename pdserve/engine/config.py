@@ -283,7 +283,7 @@ class EngineConfig:
     warmup: bool | None = doc(
         None, "before serving, run each projection once at every row bucket (16 rows) up to the rows a step can "
         "bring (the prompt share plus a row per sequence, within the token budget), at most 512, so oneDNN "
-        "builds those kernels at start-up (the default model: 32 buckets, 0.3 s on 2 Zen 4 cores) rather than "
+        "builds those kernels at start-up (the default model: 32 buckets, 0.4 s on 2 Zen 4 cores) rather than "
         "in decode steps under load (larger buckets: built by the first step that brings them, 1-3.5 ms); CPU only "
         "(default: on, unless the environment sets PDSERVE_WARMUP=0, as the test "
         "suite does)")
