@@ -55,7 +55,7 @@ class Linear(nn.Module):
     # for the default model's four body shapes, 225 ms for all 80 buckets up to 2,048 rows), but running
     # a bucket's GEMMs to build them costs its rows: warming all 80 took 2.4 s of a 4.5 s start
     # on 2 Zen 4 cores, those up to 512 rows 0.4 s. Below 512 rows a first build is up to 2.3x a call (a
-    # decode step's projections), above it under 10% of a call and 1% of the step.
+    # decode step's projections), above it at most 15% of the call and under 1% of the step.
     WARM_MAX_ROWS = 512
 
     def __init__(self, in_features: int, out_features: int):
