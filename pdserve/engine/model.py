@@ -130,19 +130,23 @@ def warm_up_projections(model: nn.Module, max_rows: int, head_rows: int, progres
     max_rows, head_rows = min(max_rows, Linear.WARM_MAX_ROWS), min(head_rows, Linear.WARM_MAX_ROWS)
 
     head = getattr(model, "lm_head", None)
-    plan: dict[tuple, tuple[Linear, int]] = {}
+    plan: dict[tuple, tuple[nn.Module, int, int]] = {}  # (module, its first oneDNN row count, the most rows)
     for module in model.modules():
         if isinstance(module, Linear) and module.path == "onednn" and not module.weight.is_cuda:
-            key = (tuple(module.weight.shape), module.weight.dtype)
-            rows = head_rows if module is head else max_rows
-            if key not in plan or plan[key][1] < rows:
-                plan[key] = (module, rows)
-    calls = [(module, rows) for module, most in plan.values()
-             for rows in sorted({Linear.padded_rows(r) for r in range(module.few_rows + 1, most + 1)})]
+            key, first = (*module.weight.shape, module.weight.dtype), module.few_rows + 1
+        elif getattr(module, "onednn_rows", None):  # bfloat16 weights (quant.formats.BF16Linear)
+            key, first = (module.out_features, module.in_features, torch.bfloat16), module.onednn_rows
+        else:
+            continue
+        rows = head_rows if module is head else max_rows
+        if key not in plan or plan[key][2] < rows:
+            plan[key] = (module, first, rows)
+    calls = [(module, rows, key[1]) for key, (module, first, most) in plan.items()
+             for rows in sorted({module.padded_rows(r) for r in range(first, most + 1)})]
     dtype = next((m.weight.dtype for m in model.modules() if isinstance(m, RMSNorm)), torch.float32)
     with torch.inference_mode():
-        for module, rows in tqdm(calls, desc="building oneDNN kernels", unit="kernel", disable=not progress):
-            module(torch.zeros(rows, module.weight.shape[1], dtype=dtype))
+        for module, rows, width in tqdm(calls, desc="building oneDNN kernels", unit="kernel", disable=not progress):
+            module(torch.zeros(rows, width, dtype=dtype))
     return len(plan), len(calls)
 
 

@@ -94,6 +94,32 @@ def test_the_onednn_path_pads_rows_to_its_buckets_and_each_row_is_bitwise_the_un
     assert given == [16, 16, 16, 32, 48, 144, 608, 1152]  # from 1,024 rows buckets widen: 64, then 128
 
 
+def test_bfloat16_weights_keep_small_row_counts_exact_and_pad_larger_ones_to_the_buckets(monkeypatch):
+    """``BF16Linear`` (``--quantization bf16``) gives oneDNN each row count up to ``EXACT_ROWS`` as it is (a
+    decode batch: padding 5 rows to 16 cost a fifth of a step) and larger ones padded to ``Linear``'s
+    buckets, so a server builds a bounded set of kernels; padding changes no output bit."""
+    import torch
+
+    from pdserve.engine.model import Linear
+    from pdserve.engine.quant.formats import BF16Linear
+
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no oneDNN bfloat16 matmuls on this processor")
+    torch.manual_seed(0)
+    layer = BF16Linear(torch.randn(80, 96))
+    real, given = torch.ops.mkldnn._linear_pointwise, []
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: (given.append(x.shape[0]), real(x, *a))[1])
+    for rows in (5, 17, 32, 33, 48, 130, 600):
+        x = torch.randn(rows, 96)
+        y = layer(x)
+        assert y.shape == (rows, 80) and y.dtype == torch.float32 and y.is_contiguous()
+        unpadded = real(x.to(torch.bfloat16), layer.packed, None, "none", [], "").float()
+        assert torch.equal(y, unpadded)
+        assert torch.allclose(y, x @ layer.qweight.float().T, rtol=2e-2, atol=2e-1)
+    assert given == [5, 17, 32, 48, 48, 144, 608]
+    assert BF16Linear.EXACT_ROWS <= Linear.WARM_MAX_ROWS
+
+
 def test_the_warm_up_builds_the_bucket_of_every_row_count_a_step_can_bring(monkeypatch):
     """Every row count from the C kernel's last to the token budget (at most ``WARM_MAX_ROWS``) lands in
     a bucket the warm-up ran, no bucket twice, and at most 1/16 of a padded step is padding."""

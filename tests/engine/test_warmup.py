@@ -20,10 +20,12 @@ from pdserve.engine.model import Linear, warm_up_projections
 _PROBE = """
 import json, sys
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
-draft = {"method": "draft", "model": "random:" + sys.argv[2], "num_speculative_tokens": 2} if sys.argv[2:] else None
+quantization = sys.argv[2].removeprefix("quantization=") if sys.argv[2:] and "=" in sys.argv[2] else "none"
+draft = ({"method": "draft", "model": "random:" + sys.argv[2], "num_speculative_tokens": 2}
+         if sys.argv[2:] and "=" not in sys.argv[2] else None)
 engine = LLMEngine(EngineConfig(model="random:tiny", num_kv_blocks=256, max_num_batched_tokens=256,
                                 max_num_seqs=8, load_progress=False, enable_prefix_caching=False,
-                                warmup=sys.argv[1] == "on", speculative_config=draft))
+                                warmup=sys.argv[1] == "on", speculative_config=draft, quantization=quantization))
 print("SERVING", flush=True)
 tokens = {}
 for i, n in enumerate((9, 23, 40, 77, 130, 201, 256, 300)):
@@ -31,7 +33,8 @@ for i, n in enumerate((9, 23, 40, 77, 130, 201, 256, 300)):
     while engine.has_unfinished():
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-print("DONE", json.dumps({"path": engine.loaded.model.layers[0].mlp.gate_up_proj.path, "tokens": tokens}), flush=True)
+path = getattr(engine.loaded.model.layers[0].mlp.gate_up_proj, "path", quantization)  # a BF16Linear has none
+print("DONE", json.dumps({"path": path, "tokens": tokens}), flush=True)
 """
 
 
@@ -75,6 +78,19 @@ def test_a_draft_model_of_other_shapes_is_warmed_up_too_and_catches_up_within_th
     assert warm == 0
     _, plain = _kernels_built_while_serving("off")  # greedy: the draft changes no token
     assert with_it["tokens"] == without["tokens"] == plain["tokens"] and len(with_it["tokens"]) == 8
+
+
+def test_bfloat16_weights_are_warmed_up_too_and_no_step_builds_a_kernel():
+    """``--quantization bf16``: its projections (``BF16Linear``, oneDNN's bfloat16 kernels) are warmed up
+    as the float32 ones: each row count up to ``EXACT_ROWS``, the buckets above it. Before, every step
+    size a server met built a kernel while serving, and the process grew by ~0.7 MiB a shape each time."""
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no oneDNN bfloat16 matmuls on this processor")
+    cold, without = _kernels_built_while_serving("off", "quantization=bf16")
+    assert cold > 0
+    warm, with_it = _kernels_built_while_serving("on", "quantization=bf16")
+    assert warm == 0
+    assert with_it["tokens"] == without["tokens"] and len(with_it["tokens"]) == 8
 
 
 def test_the_warm_up_covers_every_bucket_above_the_c_kernels_rows_and_the_head_up_to_its_rows():
