@@ -53,13 +53,13 @@ class LazyRequests(Sequence):
             raise IndexError(i)
         if i not in self._built:
             chunk = i // self.CHUNK
-            if chunk != self._chunk:  # one draw per chunk of prompts
+            if chunk != self._chunk:  # one draw per chunk of prompts, made into lists at once
                 rng = np.random.default_rng([self.seed, chunk])
-                self._chunk, self._tokens = chunk, rng.integers(TOKEN_LOW, TOKEN_HIGH, (self.CHUNK, self.input_len))
+                tokens = rng.integers(TOKEN_LOW, TOKEN_HIGH, (self.CHUNK, self.input_len))
+                self._chunk, self._tokens = chunk, self._ids[tokens].tolist()
             if len(self._built) >= 4:  # the oldest out (the simulation asks for the next arrival, then this one)
                 del self._built[next(iter(self._built))]
-            self._built[i] = SimRequest(i, float(self.arrivals[i]), self._ids[self._tokens[i % self.CHUNK]].tolist(),
-                                        self.output_len)
+            self._built[i] = SimRequest(i, float(self.arrivals[i]), self._tokens[i % self.CHUNK], self.output_len)
         return self._built[i]
 
 

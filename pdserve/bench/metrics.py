@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 
-@dataclass
+@dataclass(slots=True)  # a simulation keeps a million of them: a third of the bytes, faster to reach
 class RequestRecord:
     """One request's outcome; times in seconds, ``start`` relative to the run's start."""
 

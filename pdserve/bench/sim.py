@@ -591,7 +591,7 @@ class _Run:
     flows: list | None = None  # the requests' flows, in the batch's order
 
 
-@dataclass
+@dataclass(slots=True)
 class _Flow:
     """One request on its way through the cluster."""
 
