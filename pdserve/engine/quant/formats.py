@@ -329,8 +329,9 @@ class BF16Linear(QuantLinear):
     # oneDNN builds (and keeps) a kernel per row count: unpadded, a server grew by 0.6-0.85 MiB per
     # shape for every step size it met (336 MiB for 100 row counts of SmolLM2's four body shapes; up to
     # 2,048 of them). Above EXACT_ROWS the rows are padded to the float32 path's buckets
-    # (``model.Linear.padded_rows``); up to it each count keeps its own kernel (about 90 MiB for SmolLM2),
-    # as decode batches are: padding 5 rows to 16 cost 0.18 ms a layer, 20% of a decode step (2 Zen 4 cores).
+    # (``model.Linear.padded_rows``); up to it each count keeps its own kernel (~70 MiB for SmolLM2's four
+    # body shapes at 0.63 MiB each), as decode batches are: padding 5 rows to 16 cost 0.18 ms a layer,
+    # ~20% of a decode step (2 Zen 4 cores).
     EXACT_ROWS = 32
 
     def __init__(self, weight: torch.Tensor):
