@@ -1,13 +1,14 @@
-"""KV-cache quantization: what int8 and fp8 caches cost and buy, against the float32 cache.
+"""KV-cache dtypes: what bfloat16, int8 and fp8 caches cost and buy, against the float32 cache.
 
-    python benchmarks/kv_cache_quant.py            # about 3 minutes on 2 cores
+    python benchmarks/kv_cache_quant.py                     # about 4 minutes on 2 cores
+    python benchmarks/kv_cache_quant.py --quantization bf16 --dtypes auto,bfloat16
 
-For each cache dtype (auto = float32, int8, fp8), same model (SmolLM2-135M-Instruct) and same
-run: KV bytes per token (what a transfer ships per prompt token), blocks in 1 GiB, decode tokens/s
+For each cache dtype (auto = float32, bfloat16, int8, fp8), same model (SmolLM2-135M-Instruct,
+float32 weights or --quantization's) and same run: KV bytes per token (what a transfer ships per prompt token), blocks in 1 GiB, decode tokens/s
 at batch 1 and 16 (prompts of --prompt-len tokens, --max-tokens greedy tokens each), and greedy
 agreement with the float32 cache (the fraction of generated tokens before each request's first
 difference from float32's output).
-Prints a table; writes JSON to --result-dir.
+Prints a table with the processor's flags; writes JSON to --result-dir.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per request (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    p.add_argument("--dtypes", default="auto,bfloat16,int8,fp8",
+                   help="cache dtypes to run, comma-separated, the first the baseline (default: %(default)s)")
+    p.add_argument("--quantization", default="none",
+                   help="the weights: none (float32) or any of EngineConfig.quantization's (default: %(default)s)")
     p.add_argument("--result-dir", default="bench-results", help="where the JSON goes (default: %(default)s)")
     args = p.parse_args()
 
@@ -60,10 +65,12 @@ def main() -> None:
     from tqdm import tqdm
 
     from pdserve.engine import EngineConfig, LLMEngine
+    from pdserve.engine.cpu_isa import describe_cpu
     from pdserve.engine.loader import load_model
 
     torch.set_num_threads(args.threads)
-    loaded = load_model(progress=True)
+    dtypes = args.dtypes.split(",")
+    loaded = load_model(progress=True, quantization=args.quantization)
     tok = loaded.tokenizer
     rng = random.Random(0)
     words = ("the river city light stone winter garden music letter window morning story harbor field "
@@ -73,24 +80,26 @@ def main() -> None:
         text = " ".join(rng.choice(words) for _ in range(args.prompt_len))
         prompts.append(tok.encode(text)[: args.prompt_len])
     rows, outputs = [], {}
-    for dtype in tqdm(["auto", "int8", "fp8"], desc="kv cache dtypes", file=sys.stderr):
+    for dtype in tqdm(dtypes, desc="kv cache dtypes", file=sys.stderr):
         engine = LLMEngine(EngineConfig(load_progress=False, kv_cache_dtype=dtype, kv_cache_memory_gb=1.0,
-                                        num_threads=args.threads), loaded=loaded)
+                                        num_threads=args.threads, quantization=args.quantization), loaded=loaded)
         cache = engine.runner.kv_cache
         per_token = cache[:, :, 0].numel() * cache.element_size() / engine.block_size
         decode_run(engine, prompts[:1], 4)  # warm-up
         one, out1 = decode_run(engine, prompts[:1], args.max_tokens)
         sixteen, out16 = decode_run(engine, prompts[1:], args.max_tokens)
         outputs[dtype] = out1 + out16
-        rows.append({"dtype": "float32" if dtype == "auto" else dtype, "bytes_per_token": per_token,
+        rows.append({"dtype": str(cache.dtype).removeprefix("torch.") if dtype == "auto" else dtype, "bytes_per_token": per_token,
                      "blocks_per_gib": engine.kv.num_blocks, "tok_s_1": one, "tok_s_16": sixteen})
-    for row, dtype in zip(rows, ["auto", "int8", "fp8"]):
-        row["agreement"] = agreement(outputs[dtype], outputs["auto"])
+    for row, dtype in zip(rows, dtypes):
+        row["agreement"] = agreement(outputs[dtype], outputs[dtypes[0]])
     base = rows[0]
-    print(f"\nKV-cache dtype, SmolLM2-135M-Instruct fp32 weights, {args.threads} threads, prompts of "
+    weights = "float32" if args.quantization == "none" else args.quantization
+    print(f"\nCPU: {describe_cpu()}")
+    print(f"KV-cache dtype, SmolLM2-135M-Instruct {weights} weights, {args.threads} threads, prompts of "
           f"{args.prompt_len} tokens, {args.max_tokens} greedy tokens")
-    print("KV cache | bytes/token | vs float32 | blocks in 1 GiB | decode tok/s, batch 1 | batch 16 | "
-          "greedy agreement with float32")
+    print(f"KV cache | bytes/token | vs {base['dtype']} | blocks in 1 GiB | decode tok/s, batch 1 | batch 16 | "
+          f"greedy agreement with {base['dtype']}")
     print("--- | --- | --- | --- | --- | --- | ---")
     for r in rows:
         print(f"{r['dtype']} | {r['bytes_per_token']:.0f} | {r['bytes_per_token'] / base['bytes_per_token']:.2f}x | "

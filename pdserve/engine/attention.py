@@ -121,9 +121,10 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
-    """Store the step's new keys and values in their slots."""
-    k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+    """Store the step's new keys and values in their slots (rounded to the cache's dtype: a
+    bfloat16 cache under float32 activations)."""
+    k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k.to(k_cache.dtype)
+    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v.to(v_cache.dtype)
 
 
 class TorchPagedAttention:
@@ -156,8 +157,8 @@ class TorchPagedAttention:
         if n == 1 and not meta.window:
             return self._decode_one(q, k_cache, v_cache, meta)
         req = meta.decode_block_req
-        kb = k_cache.index_select(0, meta.decode_block_ids)  # [NB, kvh, hd, bs]
-        vb = v_cache.index_select(0, meta.decode_block_ids)  # [NB, kvh, bs, hd]
+        kb = k_cache.index_select(0, meta.decode_block_ids).to(q.dtype)  # [NB, kvh, hd, bs] (a bf16 cache widened)
+        vb = v_cache.index_select(0, meta.decode_block_ids).to(q.dtype)  # [NB, kvh, bs, hd]
         qb = q.view(n, kvh, g, hd).index_select(0, req)  # [NB, kvh, g, hd]
         scores = torch.matmul(qb, kb).mul_(self.scale)  # [NB, kvh, g, bs]
         outside = ~meta.decode_block_mask
@@ -175,8 +176,8 @@ class TorchPagedAttention:
     def _decode_one(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """A single request: its g query heads per KV head play the part of g query positions."""
         length = int(meta.decode_lens[0])
-        keys = _gather_keys(k_cache, meta.decode_block_ids, length)  # [kvh, L, hd]
-        values = _gather_values(v_cache, meta.decode_block_ids, length)
+        keys = _gather_keys(k_cache, meta.decode_block_ids, length).to(q.dtype)  # [kvh, L, hd]
+        values = _gather_values(v_cache, meta.decode_block_ids, length).to(q.dtype)
         out = F.scaled_dot_product_attention(
             q.view(1, self.num_kv_heads, self.group, self.head_dim), keys[None], values[None], scale=self.scale
         )
@@ -199,7 +200,8 @@ class TorchPagedAttention:
             lo, mask = chunk.key_mask()
             keys, values = keys[:, lo:], values[:, lo:]
             causal = False
-        q, keys, values = (x if dtype is None else x.to(dtype) for x in (q.transpose(0, 1), keys, values))
+        to = dtype or q.dtype  # (a cache in another dtype than q's, a bfloat16 one, is widened to q's)
+        q, keys, values = (x.to(to) for x in (q.transpose(0, 1), keys, values))
         out = F.scaled_dot_product_attention(
             q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
             scale=self.scale, enable_gqa=self.group > 1,
@@ -232,9 +234,9 @@ class CpuPagedAttention(TorchPagedAttention):
         self.prefill_products = "float32"
 
     def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        from pdserve.engine.cpu_kernels import rows_of_heads, usable, write_kv
+        from pdserve.engine.cpu_kernels import rows_of_heads, usable_cache, write_kv
 
-        if self.kernels is not None and rows_of_heads(k) and rows_of_heads(v) and usable(k_cache, v_cache):
+        if self.kernels is not None and rows_of_heads(k) and rows_of_heads(v) and usable_cache(k_cache, v_cache):
             write_kv(self.kernels, k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
         else:
             super().write(k, v, k_cache, v_cache, meta)
@@ -242,9 +244,9 @@ class CpuPagedAttention(TorchPagedAttention):
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """The C kernel over the cache in place (windowed layers too); the torch path where the
         kernel does not take the shape."""
-        from pdserve.engine.cpu_kernels import paged_decode, usable
+        from pdserve.engine.cpu_kernels import paged_decode, usable_cache
 
-        if (self.kernels is not None and q.dtype == torch.float32 and usable(k_cache, v_cache)
+        if (self.kernels is not None and q.dtype == torch.float32 and usable_cache(k_cache, v_cache)
                 and self._fits(v_cache.shape[2])):
             out = paged_decode(self.kernels, q, k_cache, v_cache, meta.decode_block_ids, meta.decode_starts,
                                meta.decode_lens, meta.window, self.scale)
@@ -255,11 +257,11 @@ class CpuPagedAttention(TorchPagedAttention):
     def prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
         """The C kernel over the cache in place (chunked, prefix-hit and windowed chunks alike: no
         gathered copy, no mask tensor); SDPA where the kernel does not take the shape."""
-        from pdserve.engine.cpu_kernels import paged_prefill, rows_of_heads, usable
+        from pdserve.engine.cpu_kernels import paged_prefill, rows_of_heads, usable_cache
 
         if self.prefill_products == "sdpa_bf16":
             return super().prefill(q, k, v, k_cache, v_cache, chunk, torch.bfloat16)
-        if self.kernels is not None and rows_of_heads(q) and usable(k_cache, v_cache) and self._fits(v_cache.shape[2]):
+        if self.kernels is not None and rows_of_heads(q) and usable_cache(k_cache, v_cache) and self._fits(v_cache.shape[2]):
             out = paged_prefill(self.kernels, q, k_cache, v_cache, chunk.block_ids, chunk.context_len, chunk.window,
                                 self.scale, self.prefill_products == "kernel_bf16")
             if out is not None:

@@ -240,10 +240,11 @@ class EngineConfig:
     quantization_group_size: int = doc(32, "inputs per int4/awq scale and zero: 32, 64 or 128 (32 matches "
                                        "the default model's Q4_1 blocks; a layer whose input size it does not "
                                        "divide uses the largest smaller one that does)")
-    kv_cache_dtype: Literal["auto", "int8", "fp8"] = doc(
-        "auto", "KV-cache storage: auto (the model's dtype), int8 or fp8 (e4m3), each with a float32 scale per "
-        "token and head (about 0.27x the bytes of a float32 cache, 0.53x of a 16-bit one; KV transfers ship it "
-        "as is)"
+    kv_cache_dtype: Literal["auto", "bfloat16", "int8", "fp8"] = doc(
+        "auto", "KV-cache storage: auto (the model's dtype), bfloat16 (half a float32 cache's bytes, "
+        "activations and attention arithmetic stay float32: CPUs, or CUDA with dtype bfloat16), int8 or fp8 "
+        "(e4m3), each with a float32 scale per token and head (about 0.27x the bytes of a float32 cache, 0.53x "
+        "of a 16-bit one); KV transfers ship it as is"
     )
     device: Literal["cpu", "cuda"] = doc(
         "cpu", "where the model runs: cpu, or cuda (a CUDA GPU: Triton attention, CUDA graphs for decode steps)"
@@ -310,6 +311,10 @@ class EngineConfig:
             if not torch.cuda.is_available():
                 raise ConfigError("EngineConfig.device: 'cuda' was asked for and this machine has no CUDA GPU "
                                   "(or this torch build has no CUDA); use cpu")
+            if self.kv_cache_dtype == "bfloat16" and self.dtype != "bfloat16":
+                raise ConfigError(f"EngineConfig.kv_cache_dtype: bfloat16 under dtype {self.dtype} is for CPUs (the "
+                                  f"Triton kernels read a cache of the activations' dtype); on cuda use dtype "
+                                  f"bfloat16")
         SpeculativeConfig.parse(self.speculative_config)  # refused here, naming the key
         if self.quantization_group_size not in (32, 64, 128):
             raise ConfigError(

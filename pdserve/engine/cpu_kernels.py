@@ -89,13 +89,14 @@ def load_kernels() -> ctypes.CDLL | None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     f32 = ctypes.c_float
     signatures = {
-        "paged_decode_f32": [ptr] * 7 + [i64] * 6 + [f32],
+        "paged_decode_f32": [ptr] * 7 + [i64] * 6 + [f32, i64],
         "rms_norm_f32": [ptr] * 5 + [i64] * 2 + [f32],
         "silu_mul_f32": [ptr] * 2 + [i64] * 2,
         "write_kv_f32": [ptr] * 6 + [i64] * 6,
+        "write_kv_bf16": [ptr] * 6 + [i64] * 6,
         "gemm_rows_f32": [ptr] * 3 + [i64] * 3,
         "gemm_rows_bf16_f32": [ptr] * 3 + [i64] * 3,
-        "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32, i64],
+        "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32, i64, i64],
         "paged_attention_f32_fits": [i64] * 4,
         "paged_prefill_bf16_products": [],
         **{f"gguf_gemm_{t}": [ptr] * 3 + [i64] * 4 for t in GGUF_KERNEL_TYPES},
@@ -117,14 +118,15 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cac
                  scale: float) -> torch.Tensor | None:
     """Decode attention of ``n`` one-token requests (``q`` ``[n, H, D]``; the block table as
     ``AttentionMetadata`` has it, ``attention.windowed``'s when ``window`` is set). None when the
-    kernel could not allocate its scratch (the caller computes it another way)."""
+    kernel could not allocate its scratch (the caller computes it another way). The cache: float32 or
+    bfloat16 (``usable_cache``)."""
     q = q.contiguous()
     n, h, d = q.shape
     _, kvh, bs, _ = v_cache.shape
     out = torch.empty_like(q)
     failed = lib.paged_decode_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), starts.data_ptr(),
-        lens.data_ptr(), out.data_ptr(), n, window, h, kvh, d, bs, scale,
+        lens.data_ptr(), out.data_ptr(), n, window, h, kvh, d, bs, scale, int(v_cache.dtype == torch.bfloat16),
     )
     return None if failed else out
 
@@ -143,6 +145,7 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     failed = lib.paged_prefill_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(), out.data_ptr(), n,
         context_len, window, h, kvh, d, bs, q.stride(0), h * d, scale, int(bf16_products),
+        int(v_cache.dtype == torch.bfloat16),
     )
     return None if failed else out
 
@@ -153,6 +156,14 @@ def usable(*tensors: torch.Tensor) -> bool:
         if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
             return False
     return True
+
+
+def usable_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the attention kernels and the KV write can take this cache as it is: float32 or
+    bfloat16 (``--kv-cache-dtype bfloat16``), contiguous, on CPU."""
+    dtype = k_cache.dtype
+    return ((dtype is torch.float32 or dtype is torch.bfloat16) and v_cache.dtype is dtype and k_cache.is_cpu
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -192,9 +203,11 @@ def rows_of_heads(x: torch.Tensor) -> bool:
 
 
 def write_kv(lib, k, v, k_cache, v_cache, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
-    """Store ``k`` and ``v`` (``[T, kv_heads, D]``, see ``rows_of_heads``) in their slots."""
+    """Store ``k`` and ``v`` (``[T, kv_heads, D]``, see ``rows_of_heads``) in their slots (of a float32
+    or bfloat16 cache: ``usable_cache``)."""
     t, kvh, d = k.shape
-    lib.write_kv_f32(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(),
+    kernel = lib.write_kv_bf16 if v_cache.dtype == torch.bfloat16 else lib.write_kv_f32
+    kernel(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(),
                      offsets.data_ptr(), t, kvh, v_cache.shape[2], d, k.stride(0), v.stride(0))
 
 

@@ -146,8 +146,9 @@ class LLMEngine:
         self.kv_groups = kv_groups(cfg, config.sliding_window_kv and config.device == "cpu")
         # A block holds one group's layers (all of them with one group).
         slots = self.kv_groups.num_slots
-        block_bytes = cfg.kv_bytes_per_token(dtype.itemsize) * config.block_size * slots // cfg.num_layers
-        if config.kv_cache_dtype != "auto":  # one byte per element, plus a float32 scale per token and head
+        kv_itemsize = 2 if config.kv_cache_dtype == "bfloat16" else dtype.itemsize
+        block_bytes = cfg.kv_bytes_per_token(kv_itemsize) * config.block_size * slots // cfg.num_layers
+        if config.kv_cache_dtype in ("int8", "fp8"):  # one byte per element, plus a float32 scale per token and head
             from pdserve.engine.kv_quant import row_width
 
             block_bytes = 2 * slots * cfg.num_kv_heads * row_width(config.block_size, cfg.head_dim)

@@ -88,8 +88,9 @@ class ModelRunner:
         nb, kvh, hd = num_blocks, cfg.num_kv_heads, cfg.head_dim
         self.kv_cache_dtype = kv_cache_dtype
         slots = self.groups.layer_slot
-        if kv_cache_dtype == "auto":
-            self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, self.dtype, self.device,
+        if kv_cache_dtype in ("auto", "bfloat16"):  # bfloat16: the kernels widen it as they read (attention.py)
+            cache_dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else self.dtype
+            self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, cache_dtype, self.device,
                                               self.groups.num_slots)
             self.layer_caches = [
                 (self.kv_cache[i, 0].view(nb, kvh, hd, block_size), self.kv_cache[i, 1].view(nb, kvh, block_size, hd))
@@ -105,7 +106,7 @@ class ModelRunner:
         # Called before each step with the step's items; returns what to call after each layer
         # (see LlamaForCausalLM.forward), or None when nothing is wanted from this step's layers.
         self.layer_hook: Callable[[list[ScheduledRequest]], Callable[[int], None] | None] | None = None
-        if kv_cache_dtype != "auto":
+        if kv_cache_dtype not in ("auto", "bfloat16"):
             from pdserve.engine.kv_quant import QuantizedKVAttention
 
             self.backend = QuantizedKVAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)

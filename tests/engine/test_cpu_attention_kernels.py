@@ -4,7 +4,9 @@ Prefill: chunks from scratch, after cached context (chunked prefill, a prefix hi
 (Gemma 3's local layers), shorter and longer than one task's positions, over a shuffled block table
 whose unwritten slots hold NaN, with queries as a strided view into a fused projection (as the model
 passes them); again with bfloat16 products. Decode: batches of requests of mixed lengths (and one
-request alone, its heads split across threads), whole and windowed, over one shuffled cache. The
+request alone, its heads split across threads), whole and windowed, over one shuffled cache. Both
+again over a bfloat16 cache (--kv-cache-dtype bfloat16), against dense attention over the same
+bfloat16-rounded keys and values: the arithmetic is float32's, so the bounds are too. The
 same checks run once more in a fresh process with the kernels built for AVX2, so an AVX-512 machine
 also tests the path AVX2-only machines take.
 """
@@ -45,20 +47,20 @@ def reference(q, keys, values, context_len, window):
     return torch.einsum("htl,lhd->thd", scores.softmax(-1), vv.double()).float()
 
 
-def paged(keys, values, block_size, seed=0):
+def paged(keys, values, block_size, seed=0, dtype=torch.float32):
     """The keys and values in a shuffled block table, every other slot NaN."""
-    k_cache, v_cache, (table,) = paged_batch([(keys, values)], block_size, seed)
+    k_cache, v_cache, (table,) = paged_batch([(keys, values)], block_size, seed, dtype)
     return k_cache, v_cache, table
 
 
-def paged_batch(seqs, block_size, seed=0):
-    """Several sequences' keys and values in one cache, each with its own table of shuffled blocks;
-    unwritten slots NaN."""
+def paged_batch(seqs, block_size, seed=0, dtype=torch.float32):
+    """Several sequences' keys and values in one cache of ``dtype``, each with its own table of
+    shuffled blocks; unwritten slots NaN."""
     _, kv_heads, head_dim = seqs[0][0].shape
     counts = [-(-len(keys) // block_size) for keys, _ in seqs]
     order = torch.randperm(sum(counts) + 3, generator=torch.Generator().manual_seed(seed))
-    k_cache = torch.full((len(order), kv_heads, head_dim, block_size), float("nan"))
-    v_cache = torch.full((len(order), kv_heads, block_size, head_dim), float("nan"))
+    k_cache = torch.full((len(order), kv_heads, head_dim, block_size), float("nan"), dtype=dtype)
+    v_cache = torch.full((len(order), kv_heads, block_size, head_dim), float("nan"), dtype=dtype)
     tables, used = [], 0
     for (keys, values), count in zip(seqs, counts):
         table = order[used:used + count]
@@ -101,9 +103,15 @@ PREFILL_CASES = [  # heads, kv_heads, head_dim, block_size, context_len, query_l
 ]
 
 
-def check_prefill_cases(products: str = "float32") -> None:
+def rounded(x, dtype):
+    """``x`` as a cache of ``dtype`` holds it, back in float32."""
+    return x.to(dtype).float()
+
+
+def check_prefill_cases(products: str = "float32", kv_dtype=torch.float32) -> None:
     """``products``: how the backend multiplies (attention.PREFILL_PRODUCTS); in bfloat16 (8 bits of
-    mantissa) the bounds are looser."""
+    mantissa) the bounds are looser. ``kv_dtype``: the cache's; the reference attends over the
+    keys and values as it holds them."""
     torch.manual_seed(0)
     for heads, kv_heads, head_dim, block_size, context_len, query_len, window in PREFILL_CASES:
         backend = CpuPagedAttention(heads, kv_heads, head_dim)
@@ -113,10 +121,10 @@ def check_prefill_cases(products: str = "float32") -> None:
         keys, values = torch.randn(total, kv_heads, head_dim), torch.randn(total, kv_heads, head_dim)
         fused = torch.randn(query_len, (heads + 2 * kv_heads) * head_dim)
         q = fused[:, : heads * head_dim].view(query_len, heads, head_dim)  # rows apart, as the model's
-        k_cache, v_cache, table = paged(keys, values, block_size)
+        k_cache, v_cache, table = paged(keys, values, block_size, dtype=kv_dtype)
         chunk = PrefillChunk(0, query_len, context_len, table, window)
         out = backend.prefill(q, keys[context_len:], values[context_len:], k_cache, v_cache, chunk)
-        expected = reference(q, keys, values, context_len, window)
+        expected = reference(q, rounded(keys, kv_dtype), rounded(values, kv_dtype), context_len, window)
         if products != "float32":
             assert (out - expected).abs().max() < 0.05  # values of size ~1 after ~100-term sums
             assert (out - expected).pow(2).mean().sqrt() < 0.005
@@ -134,17 +142,17 @@ DECODE_CASES = [  # heads, kv_heads, head_dim, block_size, context lengths, wind
 ]
 
 
-def check_decode_cases() -> None:
+def check_decode_cases(kv_dtype=torch.float32) -> None:
     torch.manual_seed(0)
     for heads, kv_heads, head_dim, block_size, lens, window in DECODE_CASES:
         backend = CpuPagedAttention(heads, kv_heads, head_dim)
         assert backend._fits(block_size), (heads, kv_heads, head_dim, block_size)
         seqs = [(torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim)) for n in lens]
-        k_cache, v_cache, tables = paged_batch(seqs, block_size)
+        k_cache, v_cache, tables = paged_batch(seqs, block_size, dtype=kv_dtype)
         q = torch.randn(len(lens), heads, head_dim)
         out = backend.decode(q, k_cache, v_cache, decode_metadata(tables, lens, block_size, window))
         for r, (keys, values) in enumerate(seqs):
-            expected = reference(q[r:r + 1], keys, values, lens[r] - 1, window)
+            expected = reference(q[r:r + 1], rounded(keys, kv_dtype), rounded(values, kv_dtype), lens[r] - 1, window)
             torch.testing.assert_close(out[r:r + 1], expected, rtol=1e-4, atol=1e-5)
 
 
@@ -152,6 +160,8 @@ def check_cases() -> None:
     check_prefill_cases()
     check_decode_cases()
     check_prefill_cases("kernel_bf16")  # AVX2: the float32 products (the kernels have no bf16 here)
+    check_prefill_cases(kv_dtype=torch.bfloat16)
+    check_decode_cases(torch.bfloat16)
 
 
 @needs_kernels
@@ -190,6 +200,41 @@ def test_a_bf16_model_keeps_the_fastest_prefill_products(tmp_path, monkeypatch):
 @needs_kernels
 def test_the_decode_kernel_matches_dense_attention():
     check_decode_cases()
+
+
+@needs_kernels
+def test_the_kernels_read_a_bfloat16_cache_in_place():
+    """--kv-cache-dtype bfloat16: decode and prefill (float32 and bf16 products) over a bfloat16 cache,
+    widened as it is read; the kernels, not torch's path (which would gather a float32 copy)."""
+    check_prefill_cases(kv_dtype=torch.bfloat16)
+    check_prefill_cases("kernel_bf16", kv_dtype=torch.bfloat16)
+    check_decode_cases(torch.bfloat16)
+
+
+@needs_kernels
+def test_the_kv_write_rounds_into_a_bfloat16_cache_as_torch_does():
+    """write_kv_bf16: every key and value rounded to nearest even, as torch's own assignment (the
+    torch path's) rounds, infinities and NaN included; other slots untouched."""
+    torch.manual_seed(0)
+    kv_heads, head_dim, block_size, tokens = 3, 64, 16, 40
+    fused = torch.randn(tokens, (3 + 2 * kv_heads) * head_dim) * 100
+    fused[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1 + 2 ** -8])  # a tie, to even
+    k = fused[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)  # rows apart, as the model's
+    v = fused[:, kv_heads * head_dim: 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    blocks = torch.randperm(8)[:3].repeat_interleave(block_size)[:tokens]
+    offsets = torch.arange(tokens) % block_size
+    meta = AttentionMetadata(slot_blocks=blocks, slot_offsets=offsets, num_decodes=0, decode_block_ids=blocks[:0],
+                             decode_block_req=blocks[:0], decode_block_mask=torch.empty(0, block_size, dtype=torch.bool),
+                             decode_starts=blocks[:1], decode_lens=blocks[:0], prefills=[])
+    caches = []
+    for backend in (CpuPagedAttention(9, kv_heads, head_dim), TorchPagedAttention(9, kv_heads, head_dim)):
+        k_cache = torch.zeros(8, kv_heads, head_dim, block_size, dtype=torch.bfloat16)
+        v_cache = torch.zeros(8, kv_heads, block_size, head_dim, dtype=torch.bfloat16)
+        backend.write(k, v, k_cache, v_cache, meta)
+        caches.append((k_cache, v_cache))
+    for kernel, torch_path in zip(*caches):  # (NaN's bits differ between torch's own paths: any NaN)
+        torch.testing.assert_close(kernel, torch_path, rtol=0, atol=0, equal_nan=True)
+    assert caches[0][0].ne(0).sum() == tokens * kv_heads * head_dim and caches[0][0].isnan().sum() == 1
 
 
 @needs_kernels

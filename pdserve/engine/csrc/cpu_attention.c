@@ -1,7 +1,9 @@
 /* Paged attention on CPUs (float32; bfloat16 products where built with -mavx512bf16): prefill
  * chunks and decode batches, read from the cache in place (layout: see cpu_kernels.c) with an
  * online softmax; torch's path gathers the blocks into a new tensor first, then reads that copy
- * (three passes over the KV instead of one). Built into the same library as cpu_kernels.c. */
+ * (three passes over the KV instead of one). The cache holds float32 or bfloat16 keys and values
+ * (kvb below); queries, softmax and outputs are float32 either way. Built into the same library as
+ * cpu_kernels.c. */
 #include <float.h>
 #include <math.h>
 #include <omp.h>
@@ -23,6 +25,7 @@
  *   q        rows q_stride floats apart, [H, D] each (a view into the fused qkv projection)
  *   blocks   the sequence's block ids, covering ctx + n positions
  *   out      rows out_stride floats apart, [H, D] each
+ *   kv_bf16  whether k and v (the cache) hold bfloat16, else float32
  * paged_attention_f32_fits says whether the attention kernels (this and paged_decode_f32) take
  * a shape. paged_prefill_f32 returns -1 when a thread's scratch could not be allocated (out is
  * then incomplete), else 0. */
@@ -40,6 +43,18 @@ typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 static inline vf vload(const float *p) { return *(const vf *)p; }
 static inline void vstore(float *p, vf v) { *(vf *)p = v; }
 
+/* A bfloat16 cache (--kv-cache-dtype bfloat16): each key and value the upper half of a float32,
+ * widened as it is loaded, so decode streams half the bytes and the arithmetic stays float32. kvb
+ * (a constant where the tiles are inlined with one): whether the cache is bfloat16; cache pointers
+ * are bytes, kv_at finds element i past one. */
+typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+static inline vf vload_bf16(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16); }
+static inline vf kvload(const char *p, int64_t i, const int kvb) {
+    return kvb ? vload_bf16((const uint16_t *)p + i) : vload((const float *)p + i);
+}
+static inline const char *kv_at(const void *p, int64_t i, const int kvb) { return (const char *)p + i * (kvb ? 2 : 4); }
+
 #define PB 16                  /* positions per task */
 #define MAXG 8                 /* query heads per KV head */
 #define ROWS (PB * MAXG)
@@ -55,12 +70,13 @@ int paged_attention_f32_fits(int64_t H, int64_t KVH, int64_t D, int64_t BS) {
 
 /* s[i][u VW ..] = q[i] . key vectors col[u] for mr rows by nv vectors (constants when inlined
  * with them: the tile then lives in registers) */
-static inline __attribute__((always_inline)) void score_tile(float *s, const float *q, const float *const *col,
-                                                             int64_t D, int64_t BS, const int mr, const int nv) {
+static inline __attribute__((always_inline)) void score_tile(float *s, const float *q, const char *const *col,
+                                                             int64_t D, int64_t BS, const int mr, const int nv,
+                                                             const int kvb) {
     vf acc[MRS][NV] = {{0}};
     for (int64_t d = 0; d < D; d++) {
         vf kv[NV];
-        for (int u = 0; u < nv; u++) kv[u] = vload(col[u] + d * BS);
+        for (int u = 0; u < nv; u++) kv[u] = kvload(col[u], d * BS, kvb);
         for (int i = 0; i < mr; i++) {
             const float qd = q[i * D + d];
             for (int u = 0; u < nv; u++) acc[i][u] += kv[u] * qd;
@@ -72,14 +88,15 @@ static inline __attribute__((always_inline)) void score_tile(float *s, const flo
 
 /* o[i][c .. c + 4 VW) += sum_j s[i][j] v_j[c ..] for mr rows (a constant when inlined with one) */
 static inline __attribute__((always_inline)) void pv_tile(float *o, const float *s,
-                                                          const float *const *vblk, int64_t c, int64_t kn,
-                                                          int64_t BS, int64_t D, const int mr) {
+                                                          const char *const *vblk, int64_t c, int64_t kn,
+                                                          int64_t BS, int64_t D, const int mr, const int kvb) {
     vf acc[MR][4];
     for (int i = 0; i < mr; i++)
         for (int u = 0; u < 4; u++) acc[i][u] = vload(o + i * D + c + u * VW);
     for (int64_t j = 0; j < kn; j++) {
-        const float *vr = vblk[j / BS] + (j % BS) * D + c;
-        const vf v0 = vload(vr), v1 = vload(vr + VW), v2 = vload(vr + 2 * VW), v3 = vload(vr + 3 * VW);
+        const char *vr = kv_at(vblk[j / BS], (j % BS) * D + c, kvb);
+        const vf v0 = kvload(vr, 0, kvb), v1 = kvload(vr, VW, kvb), v2 = kvload(vr, 2 * VW, kvb),
+                 v3 = kvload(vr, 3 * VW, kvb);
         for (int i = 0; i < mr; i++) {
             const float p = s[i * KC + j];
             acc[i][0] += v0 * p;
@@ -118,6 +135,14 @@ static inline __m512i pair_lanes(const float *a, const float *b) {
     return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 
+/* lane i = (a[i], b[i]) of the cache's keys or values (bfloat16 already: no rounding) */
+static inline __m512i pair_lanes_kv(const char *a, const char *b, const int kvb) {
+    if (!kvb) return pair_lanes((const float *)a, (const float *)b);
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)a));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)b));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
 /* out[i] = (x[2i], x[2i + 1]) for n floats (n a multiple of 32), rounded to bfloat16 */
 static inline void adjacent_pairs(uint32_t *out, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i += 32)
@@ -143,11 +168,12 @@ static inline __attribute__((always_inline)) void score_tile_bf16(float *s, cons
 }
 
 /* s[r][j] for the step's keys (col: as attend_keys has them), through the pair scratch */
-static void scores_bf16(float *s, const pairs_t *bf, const float *const *col, int64_t ncols, int64_t rows,
-                        int64_t D, int64_t BS) {
+static void scores_bf16(float *s, const pairs_t *bf, const char *const *col, int64_t ncols, int64_t rows,
+                        int64_t D, int64_t BS, const int kvb) {
     for (int64_t u = 0; u < ncols; u++)
         for (int64_t dp = 0; dp < D / 2; dp++)
-            _mm512_storeu_si512(bf->k + dp * KC + u * 16, pair_lanes(col[u] + 2 * dp * BS, col[u] + (2 * dp + 1) * BS));
+            _mm512_storeu_si512(bf->k + dp * KC + u * 16, pair_lanes_kv(kv_at(col[u], 2 * dp * BS, kvb),
+                                                                         kv_at(col[u], (2 * dp + 1) * BS, kvb), kvb));
     for (int64_t u0 = 0; u0 < ncols; u0 += NV) {
         const int64_t nv = ncols - u0 < NV ? ncols - u0 : NV;
         for (int64_t r0 = 0; r0 < rows; r0 += MRS) {
@@ -181,13 +207,15 @@ static inline __attribute__((always_inline)) void pv_tile_bf16(float *o, const u
 
 /* o[r] += sum_j s[r][j] value(k0 + j) through the pair scratch (an odd last key pairs with zeros:
  * the slot after it may be unwritten) */
-static void values_bf16(float *o, const float *s, const pairs_t *bf, const float *const *vblk, int64_t kn,
-                        int64_t rows, int64_t D, int64_t BS) {
+static void values_bf16(float *o, const float *s, const pairs_t *bf, const char *const *vblk, int64_t kn,
+                        int64_t rows, int64_t D, int64_t BS, const int kvb) {
     const int64_t pairs = (kn + 1) / 2;
     for (int64_t jp = 0; jp < pairs; jp++) {
         const int64_t j = 2 * jp;
-        const float *a = vblk[j / BS] + (j % BS) * D, *b = j + 1 < kn ? vblk[(j + 1) / BS] + ((j + 1) % BS) * D : zeros;
-        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_si512(bf->v + jp * MAX_D + c, pair_lanes(a + c, b + c));
+        const char *a = kv_at(vblk[j / BS], (j % BS) * D, kvb);
+        const char *b = j + 1 < kn ? kv_at(vblk[(j + 1) / BS], ((j + 1) % BS) * D, kvb) : (const char *)zeros;
+        for (int64_t c = 0; c < D; c += 16)
+            _mm512_storeu_si512(bf->v + jp * MAX_D + c, pair_lanes_kv(kv_at(a, c, kvb), kv_at(b, c, kvb), kvb));
     }
     for (int64_t r = 0; r < rows; r++) adjacent_pairs(bf->p + r * (KC / 2), s + r * KC, KC);
     for (int64_t r0 = 0; r0 < rows; r0 += MR) {
@@ -208,28 +236,11 @@ typedef struct {
 #define PAIRS_U32 0
 #endif
 
-/* One step of an online softmax: rows of query heads of KV head h (queries scaled, in qs;
- * row r's running max m[r], sum l[r] and unnormalised output o[r]) over keys [k0, k0 + kn) of
- * the sequence, each row within its own range [first[r], last[r]]. blocks[key / BS - b0] holds
- * key's block (b0 > 0: a table that starts past the blocks nobody sees). s: scratch, KC per row.
- * bf: NULL, or the bfloat16 products' scratch (its q filled: the rows' queries as pairs). */
-static inline void attend_keys(const float *qs, float *o, float *m, float *l, const int64_t *first,
-                               const int64_t *last, int64_t rows, float *s, const float *k, const float *v,
-                               const int64_t *blocks, int64_t b0, int64_t k0, int64_t kn, int64_t h, int64_t KVH,
-                               int64_t D, int64_t BS, const pairs_t *bf) {
-    /* scores: s[r][j] = qs[r] . key(k0 + j): MRS rows by NV vectors of keys per tile; the key
-     * vectors come from the step's cache blocks ([D][BS] each) */
-    const int64_t ncols = ((kn + BS - 1) / BS) * BS / VW;
-    const float *col[KC / VW];
-    for (int64_t u = 0; u < ncols; u++) {
-        const int64_t key = k0 + u * VW;
-        col[u] = k + (blocks[key / BS - b0] * KVH + h) * D * BS + key % BS;
-    }
-#if BF16_PRODUCTS
-    if (bf != NULL)
-        scores_bf16(s, bf, col, ncols, rows, D, BS);
-    else
-#endif
+/* s[r][j] = qs[r] . key vector col[j / VW] for rows by ncols vectors of keys: MRS rows by NV
+ * vectors per tile (kvb a constant: see kvload) */
+static inline __attribute__((always_inline)) void score_tiles(float *s, const float *qs, const char *const *col,
+                                                              int64_t ncols, int64_t rows, int64_t D, int64_t BS,
+                                                              const int kvb) {
     for (int64_t u0 = 0; u0 < ncols; u0 += NV) {
         const int64_t nv = ncols - u0 < NV ? ncols - u0 : NV;
         for (int64_t r0 = 0; r0 < rows; r0 += MRS) {
@@ -237,13 +248,59 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
             float *sr = s + r0 * KC + u0 * VW;
             const float *qr = qs + r0 * D;
             if (nv == NV && mr == MRS)
-                score_tile(sr, qr, col + u0, D, BS, MRS, NV);
+                score_tile(sr, qr, col + u0, D, BS, MRS, NV, kvb);
             else if (nv == NV && mr == 3) /* decode of three query heads per KV head (GQA 3:1) */
-                score_tile(sr, qr, col + u0, D, BS, 3, NV);
+                score_tile(sr, qr, col + u0, D, BS, 3, NV, kvb);
             else
-                score_tile(sr, qr, col + u0, D, BS, mr, nv);
+                score_tile(sr, qr, col + u0, D, BS, mr, nv, kvb);
         }
     }
+}
+
+/* o[r] += sum_j s[r][j] value(j) over kn values: MR rows by 4 vectors of D per tile, over all the
+ * step's keys before the tile goes back to memory */
+static inline __attribute__((always_inline)) void value_tiles(float *o, const float *s, const char *const *vblk,
+                                                              int64_t kn, int64_t rows, int64_t D, int64_t BS,
+                                                              const int kvb) {
+    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+        const int64_t mr = rows - r0 < MR ? rows - r0 : MR;
+        for (int64_t c = 0; c < D; c += 4 * VW) {
+            if (mr == MR)
+                pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, MR, kvb);
+            else if (mr == 3)
+                pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, 3, kvb);
+            else
+                pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, mr, kvb);
+        }
+    }
+}
+
+/* One step of an online softmax: rows of query heads of KV head h (queries scaled, in qs;
+ * row r's running max m[r], sum l[r] and unnormalised output o[r]) over keys [k0, k0 + kn) of
+ * the sequence, each row within its own range [first[r], last[r]]. blocks[key / BS - b0] holds
+ * key's block (b0 > 0: a table that starts past the blocks nobody sees). s: scratch, KC per row.
+ * bf: NULL, or the bfloat16 products' scratch (its q filled: the rows' queries as pairs). kvb:
+ * whether the cache (k, v) holds bfloat16. */
+static inline void attend_keys(const float *qs, float *o, float *m, float *l, const int64_t *first,
+                               const int64_t *last, int64_t rows, float *s, const void *k, const void *v,
+                               const int64_t *blocks, int64_t b0, int64_t k0, int64_t kn, int64_t h, int64_t KVH,
+                               int64_t D, int64_t BS, const pairs_t *bf, int kvb) {
+    /* scores: the key vectors come from the step's cache blocks ([D][BS] each) */
+    const int64_t ncols = ((kn + BS - 1) / BS) * BS / VW;
+    const char *col[KC / VW];
+    for (int64_t u = 0; u < ncols; u++) {
+        const int64_t key = k0 + u * VW;
+        col[u] = kv_at(k, (blocks[key / BS - b0] * KVH + h) * D * BS + key % BS, kvb);
+    }
+#if BF16_PRODUCTS
+    if (bf != NULL)
+        scores_bf16(s, bf, col, ncols, rows, D, BS, kvb);
+    else
+#endif
+    if (kvb)
+        score_tiles(s, qs, col, ncols, rows, D, BS, 1);
+    else
+        score_tiles(s, qs, col, ncols, rows, D, BS, 0);
     /* online softmax over this step's keys, row by row, within each row's range */
     for (int64_t r = 0; r < rows; r++) {
         int64_t a = first[r] - k0, b = last[r] - k0 + 1;
@@ -270,27 +327,18 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
         if (c != 1.0f)
             for (int64_t d = 0; d < D; d++) o[r * D + d] *= c;
     }
-    /* o[r] += sum_j s[r][j] value(k0 + j): MR rows by 4 vectors of D per tile, over all
-     * the step's keys before the tile goes back to memory */
-    const float *vblk[KC]; /* the step's value blocks */
-    for (int64_t j0 = 0; j0 < kn; j0 += BS) vblk[j0 / BS] = v + (blocks[(k0 + j0) / BS - b0] * KVH + h) * BS * D;
+    const char *vblk[KC]; /* the step's value blocks */
+    for (int64_t j0 = 0; j0 < kn; j0 += BS) vblk[j0 / BS] = kv_at(v, (blocks[(k0 + j0) / BS - b0] * KVH + h) * BS * D, kvb);
 #if BF16_PRODUCTS
     if (bf != NULL) {
-        values_bf16(o, s, bf, vblk, kn, rows, D, BS);
+        values_bf16(o, s, bf, vblk, kn, rows, D, BS, kvb);
         return;
     }
 #endif
-    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        const int64_t mr = rows - r0 < MR ? rows - r0 : MR;
-        for (int64_t c = 0; c < D; c += 4 * VW) {
-            if (mr == MR)
-                pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, MR);
-            else if (mr == 3)
-                pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, 3);
-            else
-                pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, mr);
-        }
-    }
+    if (kvb)
+        value_tiles(o, s, vblk, kn, rows, D, BS, 1);
+    else
+        value_tiles(o, s, vblk, kn, rows, D, BS, 0);
 }
 
 /* A row's start: its query scaled into qs, its output zeroed; and its end: the output normalised. */
@@ -318,10 +366,10 @@ static float *alloc_scratch(int bf16, pairs_t *pairs) {
 }
 
 /* One task: KV head h, positions [pb * PB, pb * PB + PB) of the chunk. */
-static void prefill_task(const float *q, const float *k, const float *v, const int64_t *blocks, float *out,
+static void prefill_task(const float *q, const void *k, const void *v, const int64_t *blocks, float *out,
                          float *qs, int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D,
                          int64_t BS, int64_t q_stride, int64_t out_stride, float scale, int64_t pb, int64_t h,
-                         const pairs_t *bf) {
+                         const pairs_t *bf, int kvb) {
     const int64_t G = H / KVH;
     float *o = qs + ROWS * MAX_D, *s = o + ROWS * MAX_D;
 
@@ -344,7 +392,7 @@ static void prefill_task(const float *q, const float *k, const float *v, const i
     const int64_t kbegin = (first[0] / BS) * BS, kend = ctx + p1;
     for (int64_t k0 = kbegin; k0 < kend; k0 += KC)
         attend_keys(qs, o, m, l, first, last, rows, s, k, v, blocks, 0, k0, kend - k0 < KC ? kend - k0 : KC, h,
-                    KVH, D, BS, bf);
+                    KVH, D, BS, bf, kvb);
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pos = p0 + r / G, g = r % G;
         finish_row(out + pos * out_stride + (h * G + g) * D, o + r * D, l[r], D);
@@ -354,9 +402,9 @@ static void prefill_task(const float *q, const float *k, const float *v, const i
 /* Decode: one query of a request, KV heads [h0, h1), over its whole context (or its last
  * `window` positions: then its table starts at the window's first block). Per step of KC keys,
  * every head in turn, so the step's blocks are read while they are still in cache. */
-static void decode_task(const float *q, const float *k, const float *v, const int64_t *blocks, int64_t len,
+static void decode_task(const float *q, const void *k, const void *v, const int64_t *blocks, int64_t len,
                         int64_t window, float *out, float *qs, int64_t h0, int64_t h1, int64_t G, int64_t KVH,
-                        int64_t D, int64_t BS, float scale) {
+                        int64_t D, int64_t BS, float scale, int kvb) {
     float *o = qs + ROWS * MAX_D, *s = o + ROWS * MAX_D;
     const int64_t rows = (h1 - h0) * G, lo = window > 0 && len > window ? len - window : 0;
     float m[ROWS], l[ROWS];
@@ -373,7 +421,7 @@ static void decode_task(const float *q, const float *k, const float *v, const in
         for (int64_t h = h0; h < h1; h++) {
             const int64_t r = (h - h0) * G;
             attend_keys(qs + r * D, o + r * D, m + r, l + r, first + r, last + r, G, s, k, v, blocks, b0, k0,
-                        len - k0 < KC ? len - k0 : KC, h, KVH, D, BS, NULL);
+                        len - k0 < KC ? len - k0 : KC, h, KVH, D, BS, NULL, kvb);
         }
     for (int64_t r = 0; r < rows; r++) finish_row(out + h0 * G * D + r * D, o + r * D, l[r], D);
 }
@@ -387,10 +435,11 @@ static void decode_task(const float *q, const float *k, const float *v, const in
  *   starts   [n + 1]                    request r owns blocks[starts[r] .. starts[r + 1])
  *   lens     [n]                        context length of request r (its query included)
  *   out      [n, H, D]
+ *   kv_bf16  whether k and v (the cache) hold bfloat16, else float32
  * Returns -1 when a thread's scratch could not be allocated (out is then incomplete), else 0. */
-int paged_decode_f32(const float *q, const float *k, const float *v, const int64_t *blocks, const int64_t *starts,
+int paged_decode_f32(const float *q, const void *k, const void *v, const int64_t *blocks, const int64_t *starts,
                      const int64_t *lens, float *out, int64_t n, int64_t window, int64_t H, int64_t KVH, int64_t D,
-                     int64_t BS, float scale) {
+                     int64_t BS, float scale, int64_t kv_bf16) {
     const int64_t G = H / KVH;
     /* One task per request when there are enough of them (each step's blocks, all heads, read
      * while in cache); with fewer requests than threads, each request's heads are split. */
@@ -408,7 +457,7 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
             const int64_t r = task / splits, part = task % splits;
             if (qs != NULL)
                 decode_task(q + r * H * D, k, v, blocks + starts[r], lens[r], window, out + r * H * D, qs,
-                            part * KVH / splits, (part + 1) * KVH / splits, G, KVH, D, BS, scale);
+                            part * KVH / splits, (part + 1) * KVH / splits, G, KVH, D, BS, scale, kv_bf16 != 0);
         }
         free(qs);
     }
@@ -418,9 +467,9 @@ int paged_decode_f32(const float *q, const float *k, const float *v, const int64
 /* Whether paged_prefill_f32 can multiply in bfloat16 (built for a processor with bf16 dot products). */
 int paged_prefill_bf16_products(void) { return BF16_PRODUCTS; }
 
-int paged_prefill_f32(const float *q, const float *k, const float *v, const int64_t *blocks, float *out,
+int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_t *blocks, float *out,
                        int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                       int64_t q_stride, int64_t out_stride, float scale, int64_t bf16_products) {
+                       int64_t q_stride, int64_t out_stride, float scale, int64_t bf16_products, int64_t kv_bf16) {
     const int bf16 = BF16_PRODUCTS && bf16_products;
     const int64_t pblocks = (n + PB - 1) / PB; /* tasks run last positions first: the most keys, so the
                                                  * dynamic schedule ends balanced */
@@ -434,7 +483,7 @@ int paged_prefill_f32(const float *q, const float *k, const float *v, const int6
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             if (qs != NULL) prefill_task(q, k, v, blocks, out, qs, n, ctx, window, H, KVH, D, BS, q_stride,
-                                         out_stride, scale, pblocks - 1 - task / KVH, task % KVH, bf);
+                                         out_stride, scale, pblocks - 1 - task / KVH, task % KVH, bf, kv_bf16 != 0);
         }
         free(qs);
     }

@@ -73,6 +73,31 @@ void write_kv_f32(const float *k, const float *v, float *k_cache, float *v_cache
     }
 }
 
+/* float32 -> bfloat16, rounded to nearest even as torch rounds; NaN to a quiet NaN. In integers:
+ * -ffast-math may drop a float comparison with NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* write_kv_f32 into a bfloat16 cache (--kv-cache-dtype bfloat16), each value rounded once. */
+void write_kv_bf16(const float *k, const float *v, uint16_t *k_cache, uint16_t *v_cache, const int64_t *blocks,
+                   const int64_t *offsets, int64_t T, int64_t KVH, int64_t BS, int64_t D, int64_t k_stride,
+                   int64_t v_stride) {
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t h = 0; h < KVH; h++) {
+            const int64_t block = (blocks[t] * KVH + h) * BS * D;
+            const float *kt = k + t * k_stride + h * D, *vt = v + t * v_stride + h * D;
+            uint16_t *vc = v_cache + block + offsets[t] * D;
+            for (int64_t d = 0; d < D; d++) k_cache[block + d * BS + offsets[t]] = f32_to_bf16(kt[d]);
+            for (int64_t d = 0; d < D; d++) vc[d] = f32_to_bf16(vt[d]);
+        }
+    }
+}
+
 /* The two few-rows products, written once for each weight type: W_T is the weight's element
  * type and LOAD(v) widens one weight to float32 (the arithmetic is float32 either way).
  * bfloat16 weights are the upper half of a float32: half the bytes of W to stream. */
