@@ -47,9 +47,25 @@ static inline void vstore(float *p, vf v) { *(vf *)p = v; }
  * widened as it is loaded, so decode streams half the bytes and the arithmetic stays float32. kvb
  * (a constant where the tiles are inlined with one): whether the cache is bfloat16; cache pointers
  * are bytes, kv_at finds element i past one. */
-typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(VW * 4)));
-static inline vf vload_bf16(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16); }
+#if VW == 16 || VW == 8
+#include <immintrin.h>
+#endif
+static inline vf vload_bf16(const uint16_t *p) {
+    /* (intrinsics: gcc split __builtin_convertvector's 16 lanes into halves, extracts and inserts, and
+     * a decode step of 16 requests ran its attention at 0.7x the float32 cache's speed) */
+#if VW == 16
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif VW == 8
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    vf out;
+    for (int i = 0; i < VW; i++) {
+        const uint32_t u = (uint32_t)p[i] << 16;
+        memcpy(&out[i], &u, sizeof u);
+    }
+    return out;
+#endif
+}
 static inline vf kvload(const char *p, int64_t i, const int kvb) {
     return kvb ? vload_bf16((const uint16_t *)p + i) : vload((const float *)p + i);
 }
