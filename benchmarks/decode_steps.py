@@ -55,7 +55,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size (default: 20)")
     parser.add_argument("--quantization", default="none", help="the weights (EngineConfig.quantization; default: none)")
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="KV-cache dtypes, comma-separated: a column each (EngineConfig.kv_cache_dtype; default: auto)")
+                        help="KV-cache dtypes, comma-separated: columns each (EngineConfig.kv_cache_dtype; "
+                             "default: auto)")
     parser.add_argument("--few-rows", type=int, default=None,
                         help="override the C kernel's row threshold (default: this machine's, cpu_measured)")
     args = parser.parse_args()

@@ -62,12 +62,13 @@ def phases(reps: int, seed: int) -> list[dict]:
 # ---- pdserve's side (a child process, as vLLM's) ----------------------------------------------
 
 
-# pdserve's variants: (dtype, quantization)
-VARIANTS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "bf16": ("float32", "bf16")}
+# pdserve's variants: (dtype, quantization, kv_cache_dtype)
+VARIANTS = {"float32": ("float32", "none", "auto"), "bfloat16": ("bfloat16", "none", "auto"),
+            "bf16": ("float32", "bf16", "auto"), "bf16-kv16": ("float32", "bf16", "bfloat16")}
 
 
 def pdserve_child(input_path: str, output_path: str, cpu_isa: str, variant: str, threads: int) -> None:
-    dtype, quantization = VARIANTS[variant]
+    dtype, quantization, kv_cache_dtype = VARIANTS[variant]
     started = time.time()
     t0 = time.perf_counter()
     from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
@@ -75,7 +76,8 @@ def pdserve_child(input_path: str, output_path: str, cpu_isa: str, variant: str,
     import_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(load_progress=False, cpu_isa=cpu_isa, dtype=dtype, num_threads=threads,
-                                    quantization=quantization, enable_prefix_caching=False, max_model_len=4096))
+                                    quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                                    enable_prefix_caching=False, max_model_len=4096))
     load_s = time.perf_counter() - t0
     ready_s = time.time() - _process_start(started)
     results = []
@@ -269,6 +271,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 SERVERS = {"vllm": "vllm serve", "vllm-bf16": "vllm serve --dtype bfloat16", "colocated": "pdserve colocated",
            "colocated-bf16": "pdserve colocated, bf16 weights",
+           "colocated-bf16-kv16": "pdserve colocated, bf16 weights and KV cache",
            "colocated-p512": "pdserve colocated, --max-prefill-tokens 512", "1p1d": "pdserve 1 prefill + 1 decode"}
 
 
@@ -292,6 +295,8 @@ def serve_servers(args, port: int) -> dict[str, list[str]]:
                               "--max-model-len", "4096", "--no-enable-prefix-caching"],
         "colocated": lambda: [*pd("colocated"), "--prefill", "0", "--decode", "1"],
         "colocated-bf16": lambda: [*pd("colocated-bf16"), "--prefill", "0", "--decode", "1", "--quantization", "bf16"],
+        "colocated-bf16-kv16": lambda: [*pd("colocated-bf16-kv16"), "--prefill", "0", "--decode", "1",
+                                        "--quantization", "bf16", "--kv-cache-dtype", "bfloat16"],
         "colocated-p512": lambda: [*pd("colocated-p512"), "--prefill", "0", "--decode", "1",
                                    "--max-prefill-tokens", "512"],
         "1p1d": lambda: [*pd("1p1d"), "--prefill", "1", "--decode", "1"],
@@ -400,7 +405,7 @@ def main() -> int:
     parser.add_argument("--pdserve", default="float32",
                         help="comma-separated pdserve variants: float32, bfloat16 (--dtype bfloat16: weights, "
                              "activations and KV cache), bf16 (--quantization bf16: bfloat16 weights in a float32 "
-                             "model) (default: float32)")
+                             "model), bf16-kv16 (bf16 with --kv-cache-dtype bfloat16) (default: float32)")
     parser.add_argument("--threads", type=int, default=2, help="threads per engine (default: 2)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each workload (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="prompt ids seed (default: 0)")

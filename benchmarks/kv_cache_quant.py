@@ -4,10 +4,11 @@
     python benchmarks/kv_cache_quant.py --quantization bf16 --dtypes auto,bfloat16
 
 For each cache dtype (auto = float32, bfloat16, int8, fp8), same model (SmolLM2-135M-Instruct,
-float32 weights or --quantization's) and same run: KV bytes per token (what a transfer ships per prompt token), blocks in 1 GiB, decode tokens/s
-at batch 1 and 16 (prompts of --prompt-len tokens, --max-tokens greedy tokens each), and greedy
-agreement with the float32 cache (the fraction of generated tokens before each request's first
-difference from float32's output).
+float32 weights or --quantization's) and same run: KV bytes per token (what a transfer ships per
+prompt token), blocks in 1 GiB, tokens/s from the first token to the last at batch 1 and 16 (prompts
+of --prompt-len tokens, --max-tokens greedy tokens each; the 16 are added at once, so their prefills
+count too: benchmarks/decode_steps.py times decode steps alone), and greedy agreement with the
+first dtype's cache (the fraction of generated tokens before each request's first difference).
 Prints a table with the processor's flags; writes JSON to --result-dir.
 """
 
@@ -89,7 +90,8 @@ def main() -> None:
         one, out1 = decode_run(engine, prompts[:1], args.max_tokens)
         sixteen, out16 = decode_run(engine, prompts[1:], args.max_tokens)
         outputs[dtype] = out1 + out16
-        rows.append({"dtype": str(cache.dtype).removeprefix("torch.") if dtype == "auto" else dtype, "bytes_per_token": per_token,
+        name = str(cache.dtype).removeprefix("torch.") if dtype == "auto" else dtype
+        rows.append({"dtype": name, "bytes_per_token": per_token,
                      "blocks_per_gib": engine.kv.num_blocks, "tok_s_1": one, "tok_s_16": sixteen})
     for row, dtype in zip(rows, dtypes):
         row["agreement"] = agreement(outputs[dtype], outputs[dtypes[0]])

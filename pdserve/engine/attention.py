@@ -261,7 +261,8 @@ class CpuPagedAttention(TorchPagedAttention):
 
         if self.prefill_products == "sdpa_bf16":
             return super().prefill(q, k, v, k_cache, v_cache, chunk, torch.bfloat16)
-        if self.kernels is not None and rows_of_heads(q) and usable_cache(k_cache, v_cache) and self._fits(v_cache.shape[2]):
+        if (self.kernels is not None and rows_of_heads(q) and usable_cache(k_cache, v_cache)
+                and self._fits(v_cache.shape[2])):
             out = paged_prefill(self.kernels, q, k_cache, v_cache, chunk.block_ids, chunk.context_len, chunk.window,
                                 self.scale, self.prefill_products == "kernel_bf16")
             if out is not None:

@@ -223,9 +223,10 @@ def test_the_kv_write_rounds_into_a_bfloat16_cache_as_torch_does():
     v = fused[:, kv_heads * head_dim: 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
     blocks = torch.randperm(8)[:3].repeat_interleave(block_size)[:tokens]
     offsets = torch.arange(tokens) % block_size
-    meta = AttentionMetadata(slot_blocks=blocks, slot_offsets=offsets, num_decodes=0, decode_block_ids=blocks[:0],
-                             decode_block_req=blocks[:0], decode_block_mask=torch.empty(0, block_size, dtype=torch.bool),
-                             decode_starts=blocks[:1], decode_lens=blocks[:0], prefills=[])
+    none = blocks[:0]
+    meta = AttentionMetadata(slot_blocks=blocks, slot_offsets=offsets, num_decodes=0, decode_block_ids=none,
+                             decode_block_req=none, decode_block_mask=torch.empty(0, block_size, dtype=torch.bool),
+                             decode_starts=blocks[:1], decode_lens=none, prefills=[])
     caches = []
     for backend in (CpuPagedAttention(9, kv_heads, head_dim), TorchPagedAttention(9, kv_heads, head_dim)):
         k_cache = torch.zeros(8, kv_heads, head_dim, block_size, dtype=torch.bfloat16)

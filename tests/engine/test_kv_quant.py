@@ -84,3 +84,24 @@ def test_engine_with_a_quantized_cache_runs_and_frees_everything(make_engine, na
         engine.add_request(f"r{i}", list(range(200 + i, 260 + 7 * i)), SamplingParams(temperature=0, max_tokens=12))
     out = run_to_completion(engine)
     assert all(len(t) == 12 for t in out.values())
+
+
+def test_a_bfloat16_cache_holds_twice_the_blocks_and_serves_through_the_kernels(make_engine):
+    """--kv-cache-dtype bfloat16: half a float32 cache's bytes per block (twice the blocks in the same
+    memory), the attention backend unchanged (its kernels read the cache in place, attention.py), and
+    greedy tokens from it with everything freed at the end."""
+    from pdserve.engine.attention import CpuPagedAttention
+
+    floats = make_engine(kv_cache_memory_gb=0.01, num_kv_blocks=None)
+    halves = make_engine(kv_cache_memory_gb=0.01, num_kv_blocks=None, kv_cache_dtype="bfloat16")
+    assert halves.runner.kv_cache.dtype == torch.bfloat16 and halves.kv_block_bytes * 2 == floats.kv_block_bytes
+    assert halves.kv.num_blocks in (2 * floats.kv.num_blocks, 2 * floats.kv.num_blocks + 1)
+    assert type(halves.runner.backend) is type(floats.runner.backend) is CpuPagedAttention
+    for engine in (floats, halves):
+        for i in range(5):
+            engine.add_request(f"r{i}", list(range(200 + i, 260 + 7 * i)), SamplingParams(temperature=0, max_tokens=12))
+    expected, out = run_to_completion(floats), run_to_completion(halves)
+    assert all(len(t) == 12 for t in out.values())
+    # bfloat16 keeps 8 bits of mantissa: most greedy tokens still agree with the float32 cache's
+    agree = sum(next((i for i, (a, b) in enumerate(zip(out[r], expected[r])) if a != b), 12) for r in out)
+    assert agree >= 0.5 * 12 * 5, (out, expected)

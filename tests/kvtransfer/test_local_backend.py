@@ -119,10 +119,11 @@ def test_receiver_catches_bad_chunks(make_engine):
     decode.abort_request("x")
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8", "fp8"])
 def test_quantized_kv_cache_travels_as_is(make_engine, kv_dtype):
-    """Quantized blocks (their scales inside) cross unchanged: the same tokens as a colocated
-    engine with the same cache, at (head_dim + 4) / (4 * head_dim) of a float32 cache's bytes."""
+    """bfloat16 and quantized blocks (their scales inside) cross unchanged: the same tokens as a
+    colocated engine with the same cache, at half a float32 cache's bytes (bfloat16) or
+    (head_dim + 4) / (4 * head_dim) of them."""
     ps = prompts(8, seed=2)
     expected = colocated(make_engine(kv_cache_dtype=kv_dtype), ps)
     decode = make_engine(kv_cache_dtype=kv_dtype)
@@ -130,7 +131,8 @@ def test_quantized_kv_cache_travels_as_is(make_engine, kv_dtype):
     assert disaggregated(make_engine(kv_cache_dtype=kv_dtype), decode, ps) == expected
     hd = decode.model_config.head_dim
     float_row = make_engine().runner.kv_cache[0, 0, 0].numel() * 4
-    assert decode.runner.kv_cache[0, 0, 0].numel() / float_row == (hd + 4) / (4 * hd)
+    row = decode.runner.kv_cache[0, 0, 0].numel() * decode.runner.kv_cache.element_size()
+    assert row / float_row == (0.5 if kv_dtype == "bfloat16" else (hd + 4) / (4 * hd))
 
 
 def test_float_and_quantized_workers_refuse_each_other(make_engine):
