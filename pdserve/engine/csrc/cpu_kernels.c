@@ -131,11 +131,23 @@ typedef uint32_t gword __attribute__((vector_size(GW * 4)));
 
 static inline gvec load_f32(const float *p) { return *(const gvec *)p; }
 
+#if GW == 16 || GW == 8
+#include <immintrin.h>
+#endif
 static inline gvec load_bf16(const uint16_t *p) {
+    /* (intrinsics: gcc split __builtin_convertvector's 16 lanes into halves, extracts and inserts;
+     * one zero-extending load and a shift instead: SmolLM2's 30 layers of bf16 projections at one row,
+     * 10.7 ms -> 9.7 on 2 Zen 4 cores, ~22 GB/s of weights) */
+#if GW == 16
+    return (gvec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif GW == 8
+    return (gvec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
     gword u = __builtin_convertvector(*(const ghalf *)p, gword) << 16;
     gvec f;
     memcpy(&f, &u, sizeof f);
     return f;
+#endif
 }
 
 static inline float hsum(gvec v) {
