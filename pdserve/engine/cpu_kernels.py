@@ -207,8 +207,8 @@ def write_kv(lib, k, v, k_cache, v_cache, blocks: torch.Tensor, offsets: torch.T
     or bfloat16 cache: ``usable_cache``)."""
     t, kvh, d = k.shape
     kernel = lib.write_kv_bf16 if v_cache.dtype == torch.bfloat16 else lib.write_kv_f32
-    kernel(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(),
-                     offsets.data_ptr(), t, kvh, v_cache.shape[2], d, k.stride(0), v.stride(0))
+    kernel(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), offsets.data_ptr(),
+           t, kvh, v_cache.shape[2], d, k.stride(0), v.stride(0))
 
 
 def keep_thread_serial() -> bool:

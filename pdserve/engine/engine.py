@@ -26,7 +26,7 @@ from pdserve.engine.cpu_kernels import HeapBound, keep_freed_memory
 from pdserve.engine.kv_cache_manager import HybridKVCacheManager, KVCacheManager, kv_groups
 from pdserve.engine.loader import LoadedModel, load_model
 from pdserve.engine.model import Linear, warm_up_projections
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import ModelRunner, float_cache_dtype
 from pdserve.engine.request import Request, RequestOutput, RequestStatus
 from pdserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.engine.scheduler import CoreOutput, Scheduler, SchedulerOutput
@@ -146,9 +146,10 @@ class LLMEngine:
         self.kv_groups = kv_groups(cfg, config.sliding_window_kv and config.device == "cpu")
         # A block holds one group's layers (all of them with one group).
         slots = self.kv_groups.num_slots
-        kv_itemsize = 2 if config.kv_cache_dtype == "bfloat16" else dtype.itemsize
-        block_bytes = cfg.kv_bytes_per_token(kv_itemsize) * config.block_size * slots // cfg.num_layers
-        if config.kv_cache_dtype in ("int8", "fp8"):  # one byte per element, plus a float32 scale per token and head
+        cache_dtype = float_cache_dtype(config.kv_cache_dtype, dtype)
+        if cache_dtype is not None:
+            block_bytes = cfg.kv_bytes_per_token(cache_dtype.itemsize) * config.block_size * slots // cfg.num_layers
+        else:  # one byte per element, plus a float32 scale per token and head
             from pdserve.engine.kv_quant import row_width
 
             block_bytes = 2 * slots * cfg.num_kv_heads * row_width(config.block_size, cfg.head_dim)

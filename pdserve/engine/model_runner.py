@@ -53,6 +53,13 @@ class _RowView:
         return len(self.output_token_ids)
 
 
+def float_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype | None:
+    """The element dtype of a cache of floats: the model's (``auto``), or bfloat16 under float32
+    activations (the CPU kernels widen it as they read, attention.py); None for a quantized cache
+    (bytes with scales, kv_quant.py)."""
+    return {"auto": dtype, "bfloat16": torch.bfloat16}.get(kv_cache_dtype)
+
+
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device="cpu",
                       num_slots: int | None = None) -> torch.Tensor:
     # Not zeroed: zeroing gigabytes costs seconds at start-up (every page faulted in), and no
@@ -88,8 +95,8 @@ class ModelRunner:
         nb, kvh, hd = num_blocks, cfg.num_kv_heads, cfg.head_dim
         self.kv_cache_dtype = kv_cache_dtype
         slots = self.groups.layer_slot
-        if kv_cache_dtype in ("auto", "bfloat16"):  # bfloat16: the kernels widen it as they read (attention.py)
-            cache_dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else self.dtype
+        cache_dtype = float_cache_dtype(kv_cache_dtype, self.dtype)
+        if cache_dtype is not None:
             self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, cache_dtype, self.device,
                                               self.groups.num_slots)
             self.layer_caches = [
@@ -106,7 +113,7 @@ class ModelRunner:
         # Called before each step with the step's items; returns what to call after each layer
         # (see LlamaForCausalLM.forward), or None when nothing is wanted from this step's layers.
         self.layer_hook: Callable[[list[ScheduledRequest]], Callable[[int], None] | None] | None = None
-        if kv_cache_dtype not in ("auto", "bfloat16"):
+        if cache_dtype is None:
             from pdserve.engine.kv_quant import QuantizedKVAttention
 
             self.backend = QuantizedKVAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
