@@ -51,8 +51,9 @@ static inline void vstore(float *p, vf v) { *(vf *)p = v; }
 #include <immintrin.h>
 #endif
 static inline vf vload_bf16(const uint16_t *p) {
-    /* (intrinsics: gcc split __builtin_convertvector's 16 lanes into halves, extracts and inserts, and
-     * a decode step of 16 requests ran its attention at 0.7x the float32 cache's speed) */
+    /* (intrinsics: gcc split __builtin_convertvector's 16 lanes into halves, extracts and inserts: the
+     * attention of a decode step of 16 requests at 520 tokens, 30 layers, took 12.4 ms that way and
+     * 10.8 this way, against 16.6 over a float32 cache; 2 Zen 4 cores) */
 #if VW == 16
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 #elif VW == 8
