@@ -24,6 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_gguf.c",
                                                                    "cpu_qdot.c")]
+HEADERS = [Path(__file__).parent / "csrc" / "cpu_vec.h"]  # included by the sources: part of the build's key
 
 
 GGUF_KERNEL_TYPES = ("q8_0", "q4_0", "q4_1")  # GGML types cpu_gguf.c multiplies from their blocks
@@ -71,7 +72,7 @@ def load_kernels() -> ctypes.CDLL | None:
     # after it; Hypothesis refused to generate floats under it, which is how it was found).
     compile_flags = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", *_cpu_flags()]
     link_flags = ["-shared", "-fopenmp"]
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES)
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in [*SOURCES, *HEADERS])
                          + " ".join([compiler, *compile_flags, "|", *link_flags]).encode())
     target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if not target.exists():

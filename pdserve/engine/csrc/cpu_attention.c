@@ -30,45 +30,18 @@
  * a shape. paged_prefill_f32 returns -1 when a thread's scratch could not be allocated (out is
  * then incomplete), else 0. */
 
-#if defined(__AVX512F__)
-#define VW 16
-#elif defined(__AVX2__)
-#define VW 8
-#else
-#define VW 4
-#endif
-typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
-/* Through the vector type itself (aligned(4): unaligned access is allowed; gcc lets a vector alias
- * its element type): a memcpy of 32 bytes became two 16-byte halves through the stack with AVX2. */
-static inline vf vload(const float *p) { return *(const vf *)p; }
+#include "cpu_vec.h"
+#define VW VEC_W
+typedef vecf vf;
+static inline vf vload(const float *p) { return vecf_load(p); }
 static inline void vstore(float *p, vf v) { *(vf *)p = v; }
 
 /* A bfloat16 cache (--kv-cache-dtype bfloat16): each key and value the upper half of a float32,
- * widened as it is loaded, so decode streams half the bytes and the arithmetic stays float32. kvb
- * (a constant where the tiles are inlined with one): whether the cache is bfloat16; cache pointers
- * are bytes, kv_at finds element i past one. */
-#if VW == 16 || VW == 8
-#include <immintrin.h>
-#endif
-static inline vf vload_bf16(const uint16_t *p) {
-    /* (intrinsics: gcc split __builtin_convertvector's 16 lanes into halves, extracts and inserts: the
-     * attention of a decode step of 16 requests at 520 tokens, 30 layers, took 12.4 ms that way and
-     * 10.8 this way, against 16.6 over a float32 cache; 2 Zen 4 cores) */
-#if VW == 16
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-#elif VW == 8
-    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-#else
-    vf out;
-    for (int i = 0; i < VW; i++) {
-        const uint32_t u = (uint32_t)p[i] << 16;
-        memcpy(&out[i], &u, sizeof u);
-    }
-    return out;
-#endif
-}
+ * widened as it is loaded (cpu_vec.h), so decode streams half the bytes and the arithmetic stays
+ * float32. kvb (a constant where the tiles are inlined with one): whether the cache is bfloat16;
+ * cache pointers are bytes, kv_at finds element i past one. */
 static inline vf kvload(const char *p, int64_t i, const int kvb) {
-    return kvb ? vload_bf16((const uint16_t *)p + i) : vload((const float *)p + i);
+    return kvb ? vecf_load_bf16((const uint16_t *)p + i) : vload((const float *)p + i);
 }
 static inline const char *kv_at(const void *p, int64_t i, const int kvb) { return (const char *)p + i * (kvb ? 2 : 4); }
 

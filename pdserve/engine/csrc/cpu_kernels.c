@@ -117,38 +117,12 @@ static inline float bf16_to_f32(uint16_t h) {
  * this way against 29 with one row of w at a time and no prefetch, and 32 through oneDNN (padded
  * to 16 rows, its smallest bucket: model.Linear.padded_rows). One row (single-request decode)
  * goes this way too: 16 ms, bfloat16 weights 10 ms, where a gemv of its own took 16 and 14.5. */
-#if defined(__AVX512F__)
-#define GW 16
-#elif defined(__AVX2__)
-#define GW 8
-#else
-#define GW 4
-#endif
-typedef float gvec __attribute__((vector_size(GW * 4), aligned(4)));
-typedef uint16_t ghalf __attribute__((vector_size(GW * 2), aligned(2)));
-typedef uint32_t gword __attribute__((vector_size(GW * 4)));
+#include "cpu_vec.h"
+#define GW VEC_W
+typedef vecf gvec;
 #define GEMM_PREFETCH_TILES 2
 
-static inline gvec load_f32(const float *p) { return *(const gvec *)p; }
-
-#if GW == 16 || GW == 8
-#include <immintrin.h>
-#endif
-static inline gvec load_bf16(const uint16_t *p) {
-    /* (intrinsics: gcc split __builtin_convertvector's 16 lanes into halves, extracts and inserts;
-     * one zero-extending load and a shift instead: SmolLM2's 30 layers of bf16 projections at one row,
-     * 10.7 ms -> 9.7 on 2 Zen 4 cores, ~22 GB/s of weights) */
-#if GW == 16
-    return (gvec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-#elif GW == 8
-    return (gvec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-#else
-    gword u = __builtin_convertvector(*(const ghalf *)p, gword) << 16;
-    gvec f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-#endif
-}
+static inline gvec load_f32(const float *p) { return vecf_load(p); }
 
 static inline float hsum(gvec v) {
 #if GW == 16
@@ -227,4 +201,4 @@ static inline float hsum(gvec v) {
     }
 
 DEFINE_GEMM_ROWS(gemm_rows_f32, float, load_f32, f32_to_f32)
-DEFINE_GEMM_ROWS(gemm_rows_bf16_f32, uint16_t, load_bf16, bf16_to_f32)
+DEFINE_GEMM_ROWS(gemm_rows_bf16_f32, uint16_t, vecf_load_bf16, bf16_to_f32)
