@@ -142,8 +142,10 @@ class TorchPagedAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         self.write(k, v, k_cache, v_cache, meta)
-        out = torch.empty_like(q)
         d = meta.num_decodes
+        if not meta.prefills and d == q.shape[0]:  # a decode-only step: no copy into a shared output
+            return self.decode(q, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
         if d:
             out[:d] = self.decode(q[:d], k_cache, v_cache, meta)
         for chunk in meta.prefills:
