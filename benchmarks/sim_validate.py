@@ -6,6 +6,8 @@ simulated.
         --slo-ttft-ms 35900 --slo-tpot-ms 93.5           # reuse a profile and fixed SLOs: about 8 minutes
     python benchmarks/sim_validate.py --experiment prefix --rates 0.2,0.3,0.4 --num-prompts 48 \\
         --slo-ttft-ms 3000 --slo-tpot-ms 100             # cache-aware and least-loaded routing: ~21 minutes
+    python benchmarks/sim_validate.py --resimulate docs/bench/sim_validate/prefix_48_epyc.json \
+        [--profile P.json]                               # a recorded run simulated again (seconds)
 
 1. A latency profile of the engine as the workers run it (one thread, the same model and step
    budget): measured here through the profile library (`pdserve profile --threads 1`), or --profile.
@@ -28,6 +30,10 @@ do not all fit one worker; the bench's prefix workload (``--prefix-num`` prefixe
 tokens, each request one of them plus ``--suffix-len`` random tokens, ``--output-len`` tokens out), a
 fresh seed per rate as above. The simulator runs the same policy over a prefix index fed by its
 replicas' KV events.
+
+``--resimulate JSON``: no cluster; the requests of a recorded run (its JSON: the workload's flags and
+seeds rebuild them) simulated again, with the run's own profile or ``--profile``, against the run's
+measured figures: what a change to the simulator or another profile does to the errors.
 """
 
 from __future__ import annotations
@@ -248,6 +254,37 @@ def simulated_unloaded(profile: Profile) -> dict:
     return {"ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * tpot}
 
 
+def resimulate(path: str, profile_path: str | None) -> dict[str, list[float]]:
+    """A recorded run's requests simulated again (``--resimulate``): the errors per cell and how many
+    cells each metric has within 10%. Returns the errors by metric."""
+    from pdserve.engine.tokenizer import load_tokenizer
+
+    recorded = json.loads(Path(path).read_text())
+    args = argparse.Namespace(**recorded["args"])
+    profile = Profile.load(profile_path) if profile_path else Profile.from_json(recorded["profile"])
+    slo = SLO(**recorded["slo"])
+    tokenizer = load_tokenizer(BenchConfig(base_url="http://unused").tokenizer)
+    rates = [float(x) for x in args.rates.split(",")]
+    source = profile_path or "the run's own"
+    print(f"{path}: measured on {recorded['cpu_flags']}; profile: {source}")
+    errors: dict[str, list[float]] = {}
+    for setup in setups(args):
+        config = sim_config(setup, profile)
+        rows = {row["rate"]: row for row in recorded["modes"][setup.name]["rows"]}
+        for i, rate in enumerate(rates):
+            requests = requests_from_bench(workload("http://unused", rate, i, args), rate, tokenizer)
+            simulated = figures(run_simulated(config, profile, requests, slo)[0])
+            measured = rows[rate]["measured"]
+            print(f"\n{setup.name} @ {rate:g} req/s\n| metric | measured | simulated | error |\n|---|---|---|---|")
+            for k in measured:
+                e = error(measured[k], simulated[k], k)
+                errors.setdefault(k, []).append(e)
+                print(f"| {k} | {measured[k]:.1f} | {simulated[k]:.1f} | {e:+.1f} {'pp' if k in PERCENTS else '%'} |")
+    print("\nwithin 10%: " + ", ".join(f"{k} {sum(abs(e) <= 10 for e in v)} of {len(v)}"
+                                      for k, v in errors.items() if k not in PERCENTS))
+    return errors
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="0.1,0.2,0.3", help="request rates, comma-separated (default: 0.1,0.2,0.3)")
@@ -281,6 +318,10 @@ def parse_args():
     p.add_argument("--output-len", type=int, default=32, help="prefix: output tokens a request (default: 32)")
     p.add_argument("--seed", type=int, default=0,
                    help="workload seed; rate i uses seed + 1000 (i + 1), as pd_goodput (default: 0)")
+    p.add_argument("--resimulate", default=None, metavar="JSON",
+                   help="simulate a recorded run's requests again (its sim_validate*.json) against its measured "
+                        "figures, with its profile or --profile; starts no cluster, takes the workload flags "
+                        "from the JSON")
     p.add_argument("--result-dir", default="bench-results",
                    help="where sim_validate.json (and a measured profile) go (default: bench-results)")
     args = p.parse_args()
@@ -301,6 +342,9 @@ def main() -> None:
     # SIGTERM unwinds like Ctrl-C, so the workers and routers this script started are stopped.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args = parse_args()
+    if args.resimulate:
+        resimulate(args.resimulate, args.profile)
+        return
     started = time.perf_counter()
     rates = [float(x) for x in args.rates.split(",")]
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
