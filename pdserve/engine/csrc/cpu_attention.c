@@ -344,11 +344,12 @@ static inline void finish_row(float *dst, const float *o, float l, int64_t D) {
 
 /* A thread's scratch: the task's queries (scaled) and outputs, row r at r * D; its scores, row r
  * at r * KC; with bf16, the pairs after them. Allocated once per thread (with room for the pairs)
- * and kept until the thread ends (the key's destructor frees it): allocated and freed on every
- * call before, half a MiB per thread for each layer of a step, when glibc's malloc took ~5% of
- * the engine thread's samples in a 32-request decode run (perf). Decode steps, bf16 weights and
- * cache, two runs each (benchmarks/decode_steps.py --prompt 256): 4 requests 22.3-22.5 -> 21.2 ms,
- * 16: 38.0-39.5 -> 35.0-37.5; 32 within the runs' noise. NULL when it cannot be allocated. */
+ * and kept until the thread ends (the key's destructor frees it). Before, it was allocated and
+ * freed on every call (320 KiB per thread, 544 with the pairs) for each layer of a step, and
+ * glibc's malloc took ~5% of the engine thread's samples in a 32-request decode run (perf).
+ * Decode steps, bf16 weights and cache, two runs each (benchmarks/decode_steps.py --prompt 256):
+ * 4 requests 22.3-22.5 -> 21.2 ms, 16: 38.0-39.5 -> 35.0-37.5; 32 within the runs' noise.
+ * NULL when it cannot be allocated. */
 static pthread_key_t scratch_key;
 static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
 static void make_scratch_key(void) { pthread_key_create(&scratch_key, free); }
