@@ -6,7 +6,7 @@ simulated.
         --slo-ttft-ms 35900 --slo-tpot-ms 93.5           # reuse a profile and fixed SLOs: about 8 minutes
     python benchmarks/sim_validate.py --experiment prefix --rates 0.2,0.3,0.4 --num-prompts 48 \\
         --slo-ttft-ms 3000 --slo-tpot-ms 100             # cache-aware and least-loaded routing: ~21 minutes
-    python benchmarks/sim_validate.py --resimulate docs/bench/sim_validate/prefix_48_epyc.json \
+    python benchmarks/sim_validate.py --resimulate docs/bench/sim_validate/prefix_48_epyc.json \\
         [--profile P.json]                               # a recorded run simulated again (seconds)
 
 1. A latency profile of the engine as the workers run it (one thread, the same model and step
