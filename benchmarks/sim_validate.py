@@ -191,15 +191,21 @@ def error(measured: float, simulated: float, label: str) -> float:
     return 100 * (simulated - measured) / measured if measured else math.nan
 
 
-def compare(mode: str, real: dict, sim: Summary, decisions: dict, tokenizer_check: int) -> dict:
-    measured, simulated = figures(real["summary"]), figures(sim)
+def print_errors(measured: dict[str, float], simulated: dict[str, float]) -> dict[str, float]:
+    """Each metric's error, printed as a table row (measured, simulated, error); returns the errors."""
     errors = {k: error(measured[k], simulated[k], k) for k in measured}
-    print(f"\n{mode} @ {real['rate']:g} req/s ({real['summary'].completed} requests measured, "
-          f"{real['seconds']:.0f} s; prefill decisions real {real['decisions'] or '-'}, simulated {decisions or '-'})")
     print("| metric | measured | simulated | error |\n|---|---|---|---|")
     for k in measured:
         unit = "pp" if k in PERCENTS else "%"
         print(f"| {k} | {measured[k]:.1f} | {simulated[k]:.1f} | {errors[k]:+.1f} {unit} |")
+    return errors
+
+
+def compare(mode: str, real: dict, sim: Summary, decisions: dict, tokenizer_check: int) -> dict:
+    measured, simulated = figures(real["summary"]), figures(sim)
+    print(f"\n{mode} @ {real['rate']:g} req/s ({real['summary'].completed} requests measured, "
+          f"{real['seconds']:.0f} s; prefill decisions real {real['decisions'] or '-'}, simulated {decisions or '-'})")
+    errors = print_errors(measured, simulated)
     return {"mode": mode, "rate": real["rate"], "seconds": real["seconds"], "measured": measured,
             "simulated": simulated, "errors": errors, "decisions": {"real": real["decisions"], "sim": decisions},
             "prompt_length_mismatches": tokenizer_check,
@@ -275,11 +281,9 @@ def resimulate(path: str, profile_path: str | None) -> dict[str, list[float]]:
             requests = requests_from_bench(workload("http://unused", rate, i, args), rate, tokenizer)
             simulated = figures(run_simulated(config, profile, requests, slo)[0])
             measured = rows[rate]["measured"]
-            print(f"\n{setup.name} @ {rate:g} req/s\n| metric | measured | simulated | error |\n|---|---|---|---|")
-            for k in measured:
-                e = error(measured[k], simulated[k], k)
+            print(f"\n{setup.name} @ {rate:g} req/s")
+            for k, e in print_errors(measured, simulated).items():
                 errors.setdefault(k, []).append(e)
-                print(f"| {k} | {measured[k]:.1f} | {simulated[k]:.1f} | {e:+.1f} {'pp' if k in PERCENTS else '%'} |")
     print("\nwithin 10%: " + ", ".join(f"{k} {sum(abs(e) <= 10 for e in v)} of {len(v)}"
                                       for k, v in errors.items() if k not in PERCENTS))
     return errors
