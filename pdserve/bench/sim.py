@@ -26,8 +26,9 @@ A request's lifecycle (the dispatcher's sequence, router/dispatcher.py, minus th
     each step end: one token per sampling request; KV events -> the prefix index; the next step
 
 Load snapshots (``WorkerLoad``) are read as the router reads them: the router's own in-flight counts
-exactly, the worker's numbers as of its last poll (``poll_interval_s``). Time is simulated: nothing
-here reads a clock, and a seed fixes every draw, so a run is reproducible.
+exactly, the worker's numbers as of its last poll (``poll_interval_s``), its prefill rate as of its last
+ended step (the engine times a step when it ends: a long prompt's step under way is not in it yet). Time
+is simulated: nothing here reads a clock, and a seed fixes every draw, so a run is reproducible.
 
 Speed (``fast_decode``): a decode worker's step in which every running request decodes one token (a
 free block for each request starting one, none stopping but at its length) skips
@@ -295,6 +296,7 @@ class _Replica:
         self.finished = 0  # requests it finished (the autoscaler's "served since the last report")
         self.stats = ReplicaStats(worker_id, role, now, None, None, 0, 0.0, 0, 0, 0)
         self._prefill_steps: deque[tuple[int, float]] = deque(maxlen=PREFILL_RATE_STEPS)
+        self._prefilling: tuple[int, float] | None = None  # the prompt step under way: in the rate when it ends
         self._decode_steps: deque[tuple[int, float]] = deque(maxlen=DECODE_STEP_SAMPLES)  # (sequences, seconds)
         self._generated: deque[tuple[float, int]] = deque()  # (step end, tokens) within the rate window
         self._generated_sum = 0
@@ -344,7 +346,8 @@ class _Replica:
         seconds = sum(t for _, t in self._prefill_steps)
         prefill_rate = sum(n for n, _ in self._prefill_steps) / seconds if seconds > 0 else 0.0
         decode_s, decode_seqs = mean_decode_step(self._decode_steps)
-        return WorkerLoad(self.worker_id, 0, s.num_running, s.num_waiting, self.kv.usage, waiting_prompt, 0,
+        waiting = s.num_waiting + len(s.remote)  # those waiting for remote KV too, as the servicer adds them up
+        return WorkerLoad(self.worker_id, 0, s.num_running, waiting, self.kv.usage, waiting_prompt, 0,
                           self._generated_sum / 5.0, prefill_rate, self.kv.pool.num_free_blocks * self.kv.block_size,
                           decode_s, decode_seqs)
 
@@ -369,7 +372,7 @@ class _Replica:
         prompt = sum(max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start)
                      for s in scheduled)
         if prompt >= PREFILL_RATE_MIN_TOKENS:  # as the engine measures its prefill rate and decode step
-            self._prefill_steps.append((prompt, seconds))
+            self._prefilling = (prompt, seconds)  # the engine measures a step when it ends
         elif not prompt:
             self._decode_steps.append((size, seconds))
         self.stepping = True
@@ -381,6 +384,9 @@ class _Replica:
         ``out``: the scheduler's output, or (decode batch, the scheduler's admissions or None) of a step
         begun by ``_begin_decode``."""
         self.stepping = False
+        if self._prefilling is not None:
+            self._prefill_steps.append(self._prefilling)
+            self._prefilling = None
         admitted = out
         outputs = []
         if isinstance(out, tuple):

@@ -372,3 +372,27 @@ def test_a_simulation_makes_no_cyclic_garbage(policy):
     assert len(result.replicas) > 5 and {"remote", "local_short"} <= set(result.decisions)
     assert found == 0 and left == 0
     assert gc.isenabled() == enabled
+
+
+def test_a_worker_shows_what_its_servicer_would_its_rate_from_ended_steps_and_reservations_as_waiting():
+    """The router's view of a simulated worker is the live worker's (worker/servicer.py, engine stats): a
+    prompt step's rate is measured when the step ends, so a long prompt under way leaves the worker's
+    rate unmeasured (the cost model's default, as on the cluster); requests whose blocks are reserved
+    for remote KV count as waiting. Both changed routing decisions against a recorded run (sim_validate)."""
+    from pdserve.bench.sim import _Replica
+    from pdserve.engine.request import Request
+    from pdserve.engine.sampling_params import SamplingParams
+
+    replica = _Replica("decode-0", "decode", SimConfig(decode_replicas=1), "test", 0.0)
+    prompt = Request("0", list(range(100, 612)), SamplingParams(max_tokens=2, ignore_eos=True))
+    replica.scheduler.add_request(prompt)
+    out, seconds = replica.begin_step(PROFILE, None)
+    under_way = replica.load(0.0, 0.0)
+    assert under_way.num_running == 1 and under_way.prefill_tokens_per_s == 0.0
+    replica.end_step(out, seconds)
+    ended = replica.load(seconds, 0.0)
+    assert ended.prefill_tokens_per_s == pytest.approx(512 / prefill_s(512))
+    assert ended.num_waiting == 0
+    reserved = Request("1", list(range(700, 1000)), SamplingParams(max_tokens=2, ignore_eos=True))
+    assert replica.scheduler.reserve_remote_kv(reserved) is not None
+    assert replica.load(seconds, 0.0).num_waiting == 1
