@@ -46,7 +46,8 @@ def pin(pid: int, core: int) -> None:
             pass
 
 
-def start(roles: list[str], router_flags: list[str] = (), worker_flags: list[str] = ()):
+def start(roles: list[str], router_flags: list[str] = (), worker_flags: list[str] = (),
+          router_log_level: str = "WARNING"):
     cores = sorted(os.sched_getaffinity(0))
     common = ["--port", "0", "--model", MODEL, "--no-load-progress", "--num-threads", "1",
               "--kv-cache-memory-gb", "1", *worker_flags]
@@ -55,7 +56,7 @@ def start(roles: list[str], router_flags: list[str] = (), worker_flags: list[str
     for i, w in enumerate(workers):
         pin(w.pid, cores[i % len(cores)])
     router, url = start_router([w.address for w in workers], MODEL, "--max-concurrent-requests", "4096",
-                               *router_flags)
+                               *router_flags, log_level=router_log_level)
     return workers, router, url
 
 
@@ -66,9 +67,10 @@ def stop(workers, router) -> None:
 
 
 @contextlib.contextmanager
-def cluster(roles: list[str], router_flags: list[str] = (), worker_flags: list[str] = ()):
+def cluster(roles: list[str], router_flags: list[str] = (), worker_flags: list[str] = (),
+            router_log_level: str = "WARNING"):
     """``start``'s cluster for the block (its router's URL), stopped after it."""
-    workers, router, url = start(roles, router_flags, worker_flags)
+    workers, router, url = start(roles, router_flags, worker_flags, router_log_level)
     try:
         yield url
     finally:

@@ -34,6 +34,9 @@ replicas' KV events.
 ``--resimulate JSON``: no cluster; the requests of a recorded run (its JSON: the workload's flags and
 seeds rebuild them) simulated again, with the run's own profile or ``--profile``, against the run's
 measured figures: what a change to the simulator or another profile does to the errors.
+
+``--decisions``: every routing decision logged, the real router's and the simulator's, as the same
+line (``pdserve.router.cost.describe_pick``), to see where the simulated router decided otherwise.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import re
 import signal
@@ -162,7 +166,8 @@ def router_decisions(url: str) -> dict[str, int]:
 def run_real(setup: Setup, rates: list[float], slo: SLO, args) -> list[dict]:
     """pd_goodput.sweep's runs, keeping each rate's config, summary and records (and the router's decisions)."""
     runs, roles = [], list(setup.roles)
-    with pd_goodput.cluster(roles, setup.router_flags(), setup.worker_flags()) as url:
+    with pd_goodput.cluster(roles, setup.router_flags(), setup.worker_flags(),
+                            "DEBUG" if args.decisions else "WARNING") as url:
         for i, rate in enumerate(rates):
             config = workload(url, rate, i, args)
             before, started = router_decisions(url), time.perf_counter()
@@ -326,6 +331,10 @@ def parse_args():
                    help="simulate a recorded run's requests again (its sim_validate*.json) against its measured "
                         "figures, with its profile or --profile; starts no cluster, takes the workload flags "
                         "from the JSON")
+    p.add_argument("--decisions", action="store_true",
+                   help="log every routing decision, the real router's (its --log-level DEBUG, on stderr) and "
+                        "the simulator's, in one format (router/cost.py describe_pick): what each knew of every "
+                        "worker, their cost-model seconds, where the prompt was prefilled")
     p.add_argument("--result-dir", default="bench-results",
                    help="where sim_validate.json (and a measured profile) go (default: bench-results)")
     args = p.parse_args()
@@ -346,6 +355,9 @@ def main() -> None:
     # SIGTERM unwinds like Ctrl-C, so the workers and routers this script started are stopped.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args = parse_args()
+    if args.decisions:  # the simulator's decisions (the real router's go to its own stderr)
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+        logging.getLogger("pdserve.bench.sim").setLevel(logging.DEBUG)
     if args.resimulate:
         resimulate(args.resimulate, args.profile)
         return

@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import heapq
+import logging
 import math
 import random
 from array import array
@@ -90,6 +91,8 @@ from pdserve.router.prefix_index import PrefixIndex, keys_of_packed, prompt_keys
 from pdserve.router.recent_routes import RecentRoutes, predicted_cached
 from pdserve.state.store import KVEventRecord
 from pdserve.worker.metrics import RecentQuantile
+
+log = logging.getLogger(__name__)
 
 RUN_TIMES = 8  # a run's step times computed at a time (_Replica.extend_run)
 # A _PickIndex's heap is rebuilt from its current entries when it holds more than this many per replica
@@ -336,6 +339,10 @@ class _Replica:
         if w is self._snapshot or w.inflight != self.inflight or w.inflight_tokens != self.inflight_tokens:
             w = self._load = self._snapshot._replace(inflight=self.inflight, inflight_tokens=self.inflight_tokens)
         return w
+
+    def known_load(self) -> WorkerLoad:
+        """``load`` as the router last knew it, without polling (the debug log's view of an index's pick)."""
+        return self._snapshot._replace(inflight=self.inflight, inflight_tokens=self.inflight_tokens)
 
     def _poll(self, now: float) -> WorkerLoad:
         """The worker's load snapshot as its servicer reports it (worker/servicer.py, engine stats)."""
@@ -819,9 +826,17 @@ class _Simulation:
             if index is None:
                 index = self._indexes[role] = _PickIndex(self._routable(role), key, now, poll_s)
             chosen = index.pick(now, poll_s, tried)
+            if log.isEnabledFor(logging.DEBUG):
+                loads = [w.known_load() for w in self._routable(role) if w.worker_id not in tried]
+                log.debug("t=%.3f request %s: %s", now, flow.req.index,
+                          cost.describe_pick(role, loads, route, chosen, self.cost))
         else:
             candidates = [w for w in self._routable(role) if w.worker_id not in tried]
-            chosen = policy([w.load(now, poll_s) for w in candidates], route)  # every worker: as the router does
+            loads = [w.load(now, poll_s) for w in candidates]  # every worker: as the router does
+            chosen = policy(loads, route)
+            if log.isEnabledFor(logging.DEBUG):  # as the router's debug line (dispatcher._pick)
+                log.debug("t=%.3f request %s: %s", now, flow.req.index,
+                          cost.describe_pick(role, loads, route, chosen, self.cost))
         if chosen is None:
             return None
         tried.add(chosen)
@@ -857,6 +872,9 @@ class _Simulation:
                                                         + cost.remote_interference_s(load, route, self.cost))
         where = prefill_route(PrefillInputs(route.prompt_tokens, True, True, cached, local_s=local_s,
                                             remote_s=remote_s), self.config.disaggregation)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("t=%.3f request %s: %s", self.now, flow.req.index,
+                      cost.describe_prefill(where, decode.worker_id, local_s, remote_s, cached))
         self._count(where)
         flow.decode, flow.uncached = decode, uncached
         prefill = self._pick("prefill", route, set(), flow) if where == "remote" else None

@@ -7,6 +7,8 @@ The cluster comes from the file ``pdserve serve`` takes (pools, engine limits, r
 disaggregation thresholds, autoscaling), with ``--prefill``/``--decode``/``--policy`` over it; the
 workload from the flags ``pdserve bench`` takes (the same seeded requests and arrival times); the
 step and transfer times from a profile (``pdserve profile``'s JSON, or a roofline of a known GPU).
+``pdserve --log-level DEBUG sim ...`` logs every routing decision as the router's ``--log-level DEBUG``
+does, in the same format (``pdserve.router.cost.describe_pick``), to compare with a real run's.
 """
 
 from __future__ import annotations

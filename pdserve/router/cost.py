@@ -225,3 +225,26 @@ def choose(costs: Mapping[str, float], temperature: float, rng: random.Random) -
     names = sorted(costs)
     weights = [math.exp(-(costs[k] - low) / temperature) for k in names]
     return rng.choices(names, weights)[0]
+
+
+def describe_pick(role: str, loads: Sequence[WorkerLoad], req: RouteRequest, chosen: str | None, m: CostModel) -> str:
+    """A pick as a line of the decisions' debug log (the router's and the simulator's, so that the two can be
+    compared line by line): what was known of each candidate (its load snapshot and the router's own counts)
+    and its seconds by the cost model (what ``cache_aware`` picks by; the other policies pick by their keys)."""
+    seconds = decode_costs(loads, req, m) if role == "decode" else [remote_prefill_s(w, req, m) for w in loads]
+    parts = [f"{w.worker_id}: {s:.3f} s (inflight {w.inflight} / {w.inflight_tokens} tok, running {w.num_running}, "
+             f"waiting {w.num_waiting} / {w.waiting_prompt_tokens} tok, prefill {w.prefill_tokens_per_s:.0f} tok/s, "
+             f"step {1e3 * w.decode_step_s:.1f} ms at {w.decode_step_seqs:.1f}, free {w.free_kv_tokens} tok)"
+             for w, s in zip(loads, seconds)]
+    remote = "" if req.remote_s is None else f", cheapest remote prefill {req.remote_s:.3f} s"
+    return f"route {role}: {req.prompt_tokens} prompt tokens{remote} -> {chosen}; " + "; ".join(parts)
+
+
+def describe_prefill(where: str, decode_id: str, local_s: float | None, remote_s: float | None, cached: int) -> str:
+    """The second decision of a disaggregated request (``policy.prefill_route``) as a debug-log line."""
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    return (f"prefill {where} (here on {decode_id} {fmt(local_s)} s, through a prefill worker {fmt(remote_s)} s, "
+            f"{cached} tokens cached)")
+

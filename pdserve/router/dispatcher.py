@@ -281,27 +281,14 @@ class Dispatcher:
         chosen = policy(loads, route.req)
         self.metrics.decision_seconds.labels(role).observe(time.perf_counter() - started)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s: %s", route.request_id, self._describe_pick(role, loads, route.req, chosen))
+            log.debug("request %s: %s", route.request_id, cost.describe_pick(role, loads, route.req, chosen,
+                                                                            self.cost_model))
         if chosen is None:
             raise NoWorkerError(f"no {role} worker is available" if not tried else f"every {role} worker failed")
         tried.add(chosen)
         route.picked[role] = chosen
         self._remember(role, route.keys, chosen)  # its blocks will be there
         return self.pool.by_id(chosen)
-
-    def _describe_pick(self, role: str, loads: list, req: RouteRequest, chosen: str | None) -> str:
-        """A decision as its debug line (``--log-level DEBUG``): what the router knew of each candidate (its
-        load snapshot and its own counts) and each one's seconds by the cost model (router/cost.py: what
-        ``cache_aware`` picks by; the other policies pick by their own keys), so a route can be explained,
-        or compared with the simulator's (pdserve/bench/sim.py) for the same arrivals, from the log."""
-        seconds = cost.decode_costs(loads, req, self.cost_model) if role == "decode" else [
-            cost.remote_prefill_s(w, req, self.cost_model) for w in loads]
-        parts = [f"{w.worker_id}: {s:.3f} s (inflight {w.inflight} / {w.inflight_tokens} tok, running "
-                 f"{w.num_running}, waiting {w.num_waiting} / {w.waiting_prompt_tokens} tok, prefill "
-                 f"{w.prefill_tokens_per_s:.0f} tok/s, step {1e3 * w.decode_step_s:.1f} ms at "
-                 f"{w.decode_step_seqs:.1f}, free {w.free_kv_tokens} tok)" for w, s in zip(loads, seconds)]
-        remote = "" if req.remote_s is None else f", cheapest remote prefill {req.remote_s:.3f} s"
-        return f"route {role}: {req.prompt_tokens} prompt tokens{remote} -> {chosen}; " + "; ".join(parts)
 
     def _remember(self, role: str, keys: list[int], worker_id: str) -> None:
         """The prompt's blocks are (or will be) on ``worker_id``: count them held there for
@@ -324,9 +311,9 @@ class Dispatcher:
         inputs = self._prefill_inputs(request, route.req, decode, reservation)
         where = prefill_route(inputs, self.disaggregation)
         self.metrics.prefill_decisions.labels(where).inc()
-        log.debug("request %s: prefill %s (here on %s %s s, through a prefill worker %s s, %d tokens cached)",
-                  request.request_id, where, decode.worker_id, _seconds(inputs.local_s), _seconds(inputs.remote_s),
-                  inputs.cached_tokens)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: %s", request.request_id, cost.describe_prefill(
+                where, decode.worker_id, inputs.local_s, inputs.remote_s, inputs.cached_tokens))
         resume = pb.GenerateRequest()
         resume.CopyFrom(request)
         resume.kv_handle = reservation.handle
@@ -463,10 +450,6 @@ def _continuation(request: pb.GenerateRequest, request_id: str, generated: list[
     follow.output_token_ids.extend(generated)
     follow.emitted_text_len = emitted
     return follow
-
-
-def _seconds(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
 
 
 def _predicted(req: RouteRequest, worker: WorkerHandle) -> int:

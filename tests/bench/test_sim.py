@@ -396,3 +396,26 @@ def test_a_worker_shows_what_its_servicer_would_its_rate_from_ended_steps_and_re
     reserved = Request("1", list(range(700, 1000)), SamplingParams(max_tokens=2, ignore_eos=True))
     assert replica.scheduler.reserve_remote_kv(reserved) is not None
     assert replica.load(seconds, 0.0).num_waiting == 1
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "least_loaded"])
+def test_the_decisions_debug_log_is_the_routers_and_changes_nothing(policy, caplog):
+    """With ``pdserve --log-level DEBUG sim`` each decision is logged as the router's debug line (the same
+    function writes both: router/cost.py ``describe_pick``, ``describe_prefill``), so a real run's router
+    log and a simulation of its requests can be compared line by line; logging changes no result."""
+    import logging
+
+    config = SimConfig(prefill_replicas=1, decode_replicas=2, policy=policy)
+    requests = random_requests(20, 5.0, seed=3)
+    quiet = run_checked(config, requests)
+    with caplog.at_level(logging.DEBUG, logger="pdserve.bench.sim"):
+        logged = run_checked(config, requests)
+    assert [r.to_dict() for r in logged.records] == [r.to_dict() for r in quiet.records]
+    assert logged.decisions == quiet.decisions
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "pdserve.bench.sim"]
+    picks = [line for line in lines if ": route decode: " in line]
+    assert len(picks) >= len(requests)  # one decode pick each (a reservation refused picks again)
+    assert all(line.startswith("t=") and " request " in line and " -> decode-" in line for line in picks)
+    assert "(inflight " in picks[0] and " tok/s, step " in picks[0]
+    prefills = [line for line in lines if ": prefill " in line]
+    assert sum(" prefill remote " in line for line in prefills) == quiet.decisions.get("remote", 0)

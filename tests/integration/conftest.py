@@ -51,10 +51,11 @@ class Cluster:
         return out
 
 
-def start_router(addresses: list[str], model: str, *flags: str, ready: bool = True) -> tuple[subprocess.Popen, str]:
+def start_router(addresses: list[str], model: str, *flags: str, ready: bool = True,
+                 log_level: str = "WARNING") -> tuple[subprocess.Popen, str]:
     """A router subprocess; waits for /ready (some worker up), or only /health when ``ready`` is False."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve.cluster.cli", "--log-level", "WARNING", "router", "--model", model,
+    cmd = [sys.executable, "-m", "pdserve.cluster.cli", "--log-level", log_level, "router", "--model", model,
            "--port", str(port), "--poll-interval-s", "0.2", *flags]
     for a in addresses:
         cmd += ["--worker", a]

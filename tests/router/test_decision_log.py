@@ -35,12 +35,12 @@ def test_each_decision_is_logged_at_debug_with_what_the_router_knew(make_client,
 
 
 def test_nothing_is_built_for_the_log_below_debug(make_client, caplog, monkeypatch):
-    from pdserve.router.dispatcher import Dispatcher
+    from pdserve.router import cost
 
     def fail(*args):
         raise AssertionError("described a decision with debug logging off")
 
-    monkeypatch.setattr(Dispatcher, "_describe_pick", fail)
+    monkeypatch.setattr(cost, "describe_pick", fail)
     workers = [in_rotation("decode")]
     workers[0].stub = _Decode()
     client = make_client(workers)
