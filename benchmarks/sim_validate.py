@@ -35,6 +35,12 @@ replicas' KV events.
 seeds rebuild them) simulated again, with the run's own profile or ``--profile``, against the run's
 measured figures: what a change to the simulator or another profile does to the errors.
 
+A speed probe (``--no-speed-probe`` skips it) measures the machine against the profile before each run and
+after the last: a 1,024-token prompt and 16 decode steps on an engine of the profile's, their seconds
+over the profile's prediction. A shared host's speed drifts by several percent over minutes; each run
+is simulated again with the profile at the mean of the probes around it, and both errors are printed:
+the first is the validation, the second shows how much of it the machine's drift explains.
+
 ``--decisions``: every routing decision logged, the real router's and the simulator's, as the same
 line (``pdserve.router.cost.describe_pick``), to see where the simulated router decided otherwise.
 """
@@ -58,7 +64,7 @@ import pd_goodput  # noqa: E402  (its cluster: start/stop/pin, the model, the un
 
 from pdserve.bench.api import run_bench  # noqa: E402
 from pdserve.bench.config import BenchConfig  # noqa: E402
-from pdserve.bench.latency_model import Profile  # noqa: E402
+from pdserve.bench.latency_model import Profile, StepModel  # noqa: E402
 from pdserve.bench.metrics import SLO, Summary, goodput_rate  # noqa: E402
 from pdserve.bench.report import inf_as_text  # noqa: E402
 from pdserve.bench.sim import SimConfig, SimRequest, simulate  # noqa: E402
@@ -126,6 +132,47 @@ def get_profile(args) -> Profile:
     return profile
 
 
+class SpeedProbe:
+    """How fast this machine computes now, against the profile: a 1,024-token prompt's step and 16 decode
+    steps of one 512-token sequence on an engine of the profile's (one thread, pinned to the first core,
+    which is idle between runs), their seconds over the profile's prediction for the same steps. Measured
+    before each run and after the last, to tell the machine's own drift (a shared host's speed varies
+    by several percent over minutes) from what the simulator leaves out."""
+
+    WAVES = (("prefill", (1024,), 1), ("decode", (512,), 16))
+
+    def __init__(self, seed: int = 0):
+        from pdserve.bench.profile import ProfileConfig, build_engine
+
+        engine = load_serve_config(None, {"engine": WORKER_ENGINE}).served()[0].engine
+        config = ProfileConfig(model=engine.model, dtype=engine.dtype, threads=engine.num_threads,
+                               max_num_batched_tokens=engine.max_num_batched_tokens, quick=True, seed=seed)
+        self.engine = build_engine(config)[0]
+        self.seed = seed
+
+    def measure(self, profile: Profile) -> float:
+        """Measured over predicted seconds of the probe's steps (1.07: 7% slower than the profile)."""
+        import os
+
+        from pdserve.bench.profile import StepDriver, Wave
+
+        core = min(os.sched_getaffinity(0))
+        allowed = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {core})  # this thread only: the bench client's loop runs elsewhere later
+        try:
+            driver = StepDriver(self.engine, self.seed)
+            for kind, prompts, max_tokens in self.WAVES:
+                driver.run(Wave(kind, prompts, max_tokens))
+        finally:
+            os.sched_setaffinity(0, allowed)
+        return sum(s.seconds for s in driver.samples) / sum(profile.step_s(s.features) for s in driver.samples)
+
+
+def at_speed(profile: Profile, factor: float) -> Profile:
+    """The profile with every step ``factor`` times as long (transfers as they were)."""
+    return dataclasses.replace(profile, step=StepModel(*(c * factor for c in dataclasses.astuple(profile.step))))
+
+
 def get_slo(args) -> tuple[SLO, dict | None]:
     """Fixed SLOs from the flags, or pd_goodput's: 5x the unloaded TTFT of a 2048-token prompt, 2x the TPOT."""
     if args.slo_ttft_ms and args.slo_tpot_ms:
@@ -163,22 +210,30 @@ def router_decisions(url: str) -> dict[str, int]:
     return {k: int(float(v)) for k, v in found}
 
 
-def run_real(setup: Setup, rates: list[float], slo: SLO, args) -> list[dict]:
-    """pd_goodput.sweep's runs, keeping each rate's config, summary and records (and the router's decisions)."""
+def run_real(setup: Setup, rates: list[float], slo: SLO, args, probe: SpeedProbe | None = None,
+             profile: Profile | None = None) -> list[dict]:
+    """pd_goodput.sweep's runs, keeping each rate's config, summary and records (and the router's decisions);
+    with a ``probe``, the machine's speed against ``profile`` before each run and after the last."""
     runs, roles = [], list(setup.roles)
     with pd_goodput.cluster(roles, setup.router_flags(), setup.worker_flags(),
                             "DEBUG" if args.decisions else "WARNING") as url:
         for i, rate in enumerate(rates):
+            speed = probe.measure(profile) if probe else None
+            if runs and speed is not None:
+                runs[-1]["speed"].append(speed)
             config = workload(url, rate, i, args)
             before, started = router_decisions(url), time.perf_counter()
             run = asyncio.run(run_bench(config, slo)).runs[0]
             after = router_decisions(url)
             runs.append({"config": config, "rate": rate, "summary": run["summary"], "records": run["records"],
-                         "seconds": time.perf_counter() - started,
+                         "seconds": time.perf_counter() - started, "speed": [] if speed is None else [speed],
                          "decisions": {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}})
             s = run["summary"]
             print(f"  {setup.name} @ {rate:g} req/s: {s.completed} done, {s.failed} failed, attainment "
-                  f"{100 * s.slo_attainment:.0f}%, {runs[-1]['seconds']:.0f} s", flush=True)
+                  f"{100 * s.slo_attainment:.0f}%, {runs[-1]['seconds']:.0f} s"
+                  + (f"; machine speed before it {speed:.3f}x the profile's step times" if speed else ""), flush=True)
+        if probe and runs:
+            runs[-1]["speed"].append(probe.measure(profile))
     return runs
 
 
@@ -236,9 +291,23 @@ def prompt_mismatches(requests: list[SimRequest], records) -> int:
     return sum(1 for q in requests if by_index[q.index].input_tokens != len(q.prompt))
 
 
-def validate_setup(setup: Setup, rates: list[float], slo: SLO, profile: Profile, tokenizer, args) -> dict:
+def at_probe_speed(measured: dict[str, float], config: SimConfig, profile: Profile, requests, slo: SLO,
+                   speed: list[float]) -> dict:
+    """The run simulated again with the profile at the machine's speed around it (the mean of the probes
+    before and after it): how much of the error the machine's drift explains. Printed and returned."""
+    factor = sum(speed) / len(speed)
+    simulated = figures(run_simulated(config, at_speed(profile, factor), requests, slo)[0])
+    errors = {k: error(measured[k], simulated[k], k) for k in measured if k not in PERCENTS}
+    print(f"with the profile at the machine's speed around the run (x{factor:.3f}, probes "
+          + " / ".join(f"{x:.3f}" for x in speed) + "): "
+          + ", ".join(f"{k.replace(' (ms)', '')} {e:+.1f}%" for k, e in errors.items()))
+    return {"speed": speed, "factor": factor, "simulated": simulated, "errors": errors}
+
+
+def validate_setup(setup: Setup, rates: list[float], slo: SLO, profile: Profile, tokenizer, args,
+                   probe: SpeedProbe | None = None) -> dict:
     mode = setup.name
-    real_runs = run_real(setup, rates, slo, args)  # every real run first: the simulations then share no core
+    real_runs = run_real(setup, rates, slo, args, probe, profile)  # every real run first: then no core is shared
     config = sim_config(setup, profile)
     rows = []
     for real in real_runs:
@@ -246,6 +315,9 @@ def validate_setup(setup: Setup, rates: list[float], slo: SLO, profile: Profile,
         summary, decisions, records = run_simulated(config, profile, requests, slo)
         rows.append(compare(mode, real, summary, decisions, prompt_mismatches(requests, real["records"])))
         rows[-1]["requests"] = per_request(real["records"], records)
+        if real["speed"]:
+            rows[-1]["at_probe_speed"] = at_probe_speed(rows[-1]["measured"], config, profile, requests, slo,
+                                                        real["speed"])
     attained = [(r["measured"]["SLO attainment (%)"] / 100, r["simulated"]["SLO attainment (%)"] / 100) for r in rows]
     good_m = goodput_rate(rates, [a for a, _ in attained])
     good_s = goodput_rate(rates, [b for _, b in attained])
@@ -279,6 +351,7 @@ def resimulate(path: str, profile_path: str | None) -> dict[str, list[float]]:
     source = profile_path or "the run's own"
     print(f"{path}: measured on {recorded['cpu_flags']}; profile: {source}")
     errors: dict[str, list[float]] = {}
+    at_speed_errors: dict[str, list[float]] = {}
     for setup in setups(args):
         config = sim_config(setup, profile)
         rows = {row["rate"]: row for row in recorded["modes"][setup.name]["rows"]}
@@ -289,9 +362,18 @@ def resimulate(path: str, profile_path: str | None) -> dict[str, list[float]]:
             print(f"\n{setup.name} @ {rate:g} req/s")
             for k, e in print_errors(measured, simulated).items():
                 errors.setdefault(k, []).append(e)
-    print("\nwithin 10%: " + ", ".join(f"{k} {sum(abs(e) <= 10 for e in v)} of {len(v)}"
-                                      for k, v in errors.items() if k not in PERCENTS))
+            if "at_probe_speed" in rows[rate] and not profile_path:  # the probes measured against the run's profile
+                speed = rows[rate]["at_probe_speed"]["speed"]
+                for k, e in at_probe_speed(measured, config, profile, requests, slo, speed)["errors"].items():
+                    at_speed_errors.setdefault(k, []).append(e)
+    print("\nwithin 10%: " + within(errors))
+    if at_speed_errors:
+        print("within 10% at the probes' speed: " + within(at_speed_errors))
     return errors
+
+
+def within(errors: dict[str, list[float]]) -> str:
+    return ", ".join(f"{k} {sum(abs(e) <= 10 for e in v)} of {len(v)}" for k, v in errors.items() if k not in PERCENTS)
 
 
 def parse_args():
@@ -331,6 +413,10 @@ def parse_args():
                    help="simulate a recorded run's requests again (its sim_validate*.json) against its measured "
                         "figures, with its profile or --profile; starts no cluster, takes the workload flags "
                         "from the JSON")
+    p.add_argument("--no-speed-probe", action="store_true",
+                   help="skip the speed probe (a 1,024-token prompt and 16 decode steps on an engine of the "
+                        "profile's, before each run and after the last: the machine's speed against the profile, "
+                        "and each run simulated again at that speed)")
     p.add_argument("--decisions", action="store_true",
                    help="log every routing decision, the real router's (its --log-level DEBUG, on stderr) and "
                         "the simulator's, in one format (router/cost.py describe_pick): what each knew of every "
@@ -378,7 +464,9 @@ def main() -> None:
               f"(simulated {sim_unloaded['tpot_ms']:.1f})")
     print(f"SLOs: TTFT <= {slo.ttft_ms:.0f} ms, TPOT <= {slo.tpot_ms:.1f} ms", flush=True)
     tokenizer = load_tokenizer(BenchConfig(base_url="http://unused").tokenizer)
-    results = {setup.name: validate_setup(setup, rates, slo, profile, tokenizer, args) for setup in setups(args)}
+    probe = None if args.no_speed_probe else SpeedProbe(args.seed)
+    results = {setup.name: validate_setup(setup, rates, slo, profile, tokenizer, args, probe)
+               for setup in setups(args)}
     elapsed = time.perf_counter() - started
     print(f"\ntook {elapsed / 60:.1f} minutes")
     path = Path(args.result_dir) / ("sim_validate.json" if args.experiment == "pd" else "sim_validate_prefix.json")

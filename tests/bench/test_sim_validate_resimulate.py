@@ -24,3 +24,16 @@ def test_a_recorded_run_is_simulated_again_against_its_measured_figures():
     assert all(measured == simulated for measured, simulated, _ in hits[:3])
     summary = re.search(r"^within 10%: (.*)$", out, re.M).group(1)
     assert re.fullmatch(r"(TTFT|TPOT) p50 \(ms\) \d of 6, (TTFT|TPOT) p90 \(ms\) \d of 6, .* of 6", summary), summary
+
+
+def test_the_profile_at_the_probes_speed_scales_every_step_and_no_transfer():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sim_validate import at_speed
+
+    from pdserve.bench.latency_model import Profile, StepFeatures
+
+    profile = Profile.load(ROOT / "docs" / "bench" / "sim_validate" / "profile_1thread_epyc.json")
+    slower = at_speed(profile, 1.07)
+    for f in (StepFeatures(1024, 1024 * 1025 // 2), StepFeatures(decode_seqs=4, decode_context=2048)):
+        assert abs(slower.step_s(f) - 1.07 * profile.step_s(f)) < 1e-9
+    assert slower.transfer == profile.transfer and slower.model == profile.model
