@@ -156,9 +156,8 @@ class SpeedProbe:
 
         from pdserve.bench.profile import StepDriver, Wave
 
-        core = min(os.sched_getaffinity(0))
         allowed = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {core})  # this thread only: the bench client's loop runs elsewhere later
+        os.sched_setaffinity(0, {min(allowed)})  # this thread only: the bench client's loop runs elsewhere later
         try:
             driver = StepDriver(self.engine, self.seed)
             for kind, prompts, max_tokens in self.WAVES:

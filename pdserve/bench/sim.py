@@ -826,17 +826,16 @@ class _Simulation:
             if index is None:
                 index = self._indexes[role] = _PickIndex(self._routable(role), key, now, poll_s)
             chosen = index.pick(now, poll_s, tried)
-            if log.isEnabledFor(logging.DEBUG):
-                loads = [w.known_load() for w in self._routable(role) if w.worker_id not in tried]
-                log.debug("t=%.3f request %s: %s", now, flow.req.index,
-                          cost.describe_pick(role, loads, route, chosen, self.cost))
+            loads = None
         else:
             candidates = [w for w in self._routable(role) if w.worker_id not in tried]
             loads = [w.load(now, poll_s) for w in candidates]  # every worker: as the router does
             chosen = policy(loads, route)
-            if log.isEnabledFor(logging.DEBUG):  # as the router's debug line (dispatcher._pick)
-                log.debug("t=%.3f request %s: %s", now, flow.req.index,
-                          cost.describe_pick(role, loads, route, chosen, self.cost))
+        if log.isEnabledFor(logging.DEBUG):  # as the router's debug line (dispatcher._pick)
+            if loads is None:  # the index's pick: what the router last knew of each, without polling
+                loads = [w.known_load() for w in self._routable(role) if w.worker_id not in tried]
+            log.debug("t=%.3f request %s: %s", now, flow.req.index, cost.describe_pick(role, loads, route, chosen,
+                                                                                         self.cost))
         if chosen is None:
             return None
         tried.add(chosen)

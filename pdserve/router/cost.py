@@ -247,4 +247,3 @@ def describe_prefill(where: str, decode_id: str, local_s: float | None, remote_s
 
     return (f"prefill {where} (here on {decode_id} {fmt(local_s)} s, through a prefill worker {fmt(remote_s)} s, "
             f"{cached} tokens cached)")
-
