@@ -212,14 +212,17 @@ def router_decisions(url: str) -> dict[str, int]:
 def run_real(setup: Setup, rates: list[float], slo: SLO, args, probe: SpeedProbe | None = None,
              profile: Profile | None = None) -> list[dict]:
     """pd_goodput.sweep's runs, keeping each rate's config, summary and records (and the router's decisions);
-    with a ``probe``, the machine's speed against ``profile`` before each run and after the last."""
+    with a ``probe``, the machine's speed against ``profile`` before each run and after the last. Each rate
+    gets a cluster of its own, as each simulation starts with fresh replicas: a worker keeps what it measured
+    (its prefill rate, its decode step), and a cluster kept from the last rate routed the next rate's first
+    requests by those figures where the simulated router had the cost model's defaults."""
     runs, roles = [], list(setup.roles)
-    with pd_goodput.cluster(roles, setup.router_flags(), setup.worker_flags(),
-                            "DEBUG" if args.decisions else "WARNING") as url:
-        for i, rate in enumerate(rates):
-            speed = probe.measure(profile) if probe else None
-            if runs and speed is not None:
-                runs[-1]["speed"].append(speed)
+    for i, rate in enumerate(rates):
+        speed = probe.measure(profile) if probe else None
+        if runs and speed is not None:
+            runs[-1]["speed"].append(speed)
+        with pd_goodput.cluster(roles, setup.router_flags(), setup.worker_flags(),
+                                "DEBUG" if args.decisions else "WARNING") as url:
             config = workload(url, rate, i, args)
             before, started = router_decisions(url), time.perf_counter()
             run = asyncio.run(run_bench(config, slo)).runs[0]
@@ -227,12 +230,12 @@ def run_real(setup: Setup, rates: list[float], slo: SLO, args, probe: SpeedProbe
             runs.append({"config": config, "rate": rate, "summary": run["summary"], "records": run["records"],
                          "seconds": time.perf_counter() - started, "speed": [] if speed is None else [speed],
                          "decisions": {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}})
-            s = run["summary"]
-            print(f"  {setup.name} @ {rate:g} req/s: {s.completed} done, {s.failed} failed, attainment "
-                  f"{100 * s.slo_attainment:.0f}%, {runs[-1]['seconds']:.0f} s"
-                  + (f"; machine speed before it {speed:.3f}x the profile's step times" if speed else ""), flush=True)
-        if probe and runs:
-            runs[-1]["speed"].append(probe.measure(profile))
+        s = run["summary"]
+        print(f"  {setup.name} @ {rate:g} req/s: {s.completed} done, {s.failed} failed, attainment "
+              f"{100 * s.slo_attainment:.0f}%, {runs[-1]['seconds']:.0f} s"
+              + (f"; machine speed before it {speed:.3f}x the profile's step times" if speed else ""), flush=True)
+    if probe and runs:
+        runs[-1]["speed"].append(probe.measure(profile))
     return runs
 
 
