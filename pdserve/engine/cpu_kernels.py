@@ -93,6 +93,7 @@ def load_kernels() -> ctypes.CDLL | None:
         "paged_decode_f32": [ptr] * 7 + [i64] * 6 + [f32, i64],
         "rms_norm_f32": [ptr] * 5 + [i64] * 2 + [f32],
         "silu_mul_f32": [ptr] * 2 + [i64] * 2,
+        "silu_mul_bf16": [ptr] * 2 + [i64] * 2,
         "write_kv_f32": [ptr] * 6 + [i64] * 6,
         "write_kv_bf16": [ptr] * 6 + [i64] * 6,
         "gemm_rows_f32": [ptr] * 3 + [i64] * 3,
@@ -181,9 +182,12 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None, w
 
 
 def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a contiguous ``[rows, 2n]`` product, float32 or bfloat16 (``silu_mul_bf16``: the
+    arithmetic in float32, the result rounded to bfloat16); out in its dtype."""
     rows, two_n = gate_up.shape
     out = torch.empty(rows, two_n // 2, dtype=gate_up.dtype)
-    lib.silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, two_n // 2)
+    kernel = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul_f32
+    kernel(gate_up.data_ptr(), out.data_ptr(), rows, two_n // 2)
     return out
 
 

@@ -16,7 +16,8 @@ that measures again.
 
 Two choices use it:
 
-- **the few-rows threshold** (``few_rows_for``): up to how many rows a float32 projection goes
+- **the few-rows threshold** (``few_rows_for``): up to how many rows a float32 projection (and,
+  measured apart, a bfloat16 one: ``quant.formats.BF16Linear``, 8 on the AMX Xeon) goes
   through the C kernel, which reads each row of W once for all the rows, rather than the
   ``linear_path`` (oneDNN with packed weights, or MKL). Where the path overtakes is the
   processor's: on a 2-core Zen 4 with AVX-512 oneDNN was as fast from 4 rows, on Zen 3 (AVX2) the
@@ -59,17 +60,15 @@ def _timed(fn) -> float:
 def measure(layer: list, candidates: tuple[int, ...] = CANDIDATES) -> tuple[int, dict[int, tuple[float, float]]]:
     """``(rows, seconds)``: the largest candidate up to which the C kernel is at least as fast as the
     path at every candidate (1: from 2 rows the path wins), and each candidate's (C, path) seconds
-    for all of ``layer``'s projections (``model.Linear``s with their kernels set): the best of
-    ``ROUNDS`` rounds, each timing every candidate both ways, so that a pause of the process
-    lands on one round rather than on one candidate."""
-    from pdserve.engine import cpu_kernels
-
+    for all of ``layer``'s projections (``model.Linear``s or ``BF16Linear``s with their kernels set:
+    ``c_rows`` against ``many_rows``): the best of ``ROUNDS`` rounds, each timing every candidate
+    both ways, so that a pause of the process lands on one round rather than on one candidate."""
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         calls = {}
         for rows in candidates:
-            xs = [torch.randn(rows, m.weight.shape[1], generator=gen) for m in layer]
-            calls[rows] = (lambda xs=xs: [cpu_kernels.gemm_rows(m.kernels, m.weight, x) for m, x in zip(layer, xs)],
+            xs = [torch.randn(rows, m.in_features, generator=gen) for m in layer]
+            calls[rows] = (lambda xs=xs: [m.c_rows(x) for m, x in zip(layer, xs)],
                            lambda xs=xs: [m.many_rows(x) for m, x in zip(layer, xs)])
             calls[rows][1]()  # oneDNN builds its kernel for the shape on the first call
         seconds = {rows: (float("inf"), float("inf")) for rows in candidates}
@@ -152,7 +151,7 @@ def few_rows_for(layer: list, threads: int) -> int:
         return rows, (f"one layer, C against {layer[0].path}, ms: "
                       + ", ".join(f"{r} rows {c * 1e3:.2f}/{p * 1e3:.2f}" for r, (c, p) in seconds.items()))
 
-    shapes = sorted(tuple(m.weight.shape) for m in layer)
+    shapes = sorted((m.out_features, m.in_features) for m in layer)
     build = Path(layer[0].kernels._name).stem  # the kernels' build (their sources' hash): a new kernel measures anew
     return kept(f"largest batch of rows through the C kernels (more: {layer[0].path})",
                 machine_key(layer[0].path, f"{threads} threads", shapes, build), timed)

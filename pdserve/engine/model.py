@@ -110,8 +110,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows <= self.few_rows and self.kernels is not None and x.is_contiguous():
-            return cpu_kernels.gemm_rows(self.kernels, self.weight, x)
+            return self.c_rows(x)
         return self.many_rows(x)
+
+    def c_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` through the C kernel (a few contiguous float32 rows)."""
+        return cpu_kernels.gemm_rows(self.kernels, self.weight, x)
 
     def many_rows(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T`` through the path for more than ``few_rows`` rows."""
@@ -274,6 +278,14 @@ class MLP(nn.Module):
         self.kernels = None  # the C kernels, set by LlamaForCausalLM.prepare_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and hasattr(self.down_proj, "product_bf16"):
+            # bf16 weights (quantization bf16): past the C kernels' rows, gate_up's bfloat16 product goes
+            # through SwiGLU into the down projection without being widened to float32 and rounded back
+            gate_up = self.gate_up_proj.product_bf16(x) if hasattr(self.gate_up_proj, "product_bf16") else None
+            if gate_up is not None:
+                h = cpu_kernels.silu_mul(self.kernels, gate_up)
+                down = self.down_proj.product_bf16(h)
+                return down.to(x.dtype) if down is not None else self.down_proj(h.to(x.dtype))
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None and usable(gate_up):
             return self.down_proj(cpu_kernels.silu_mul(self.kernels, gate_up))
@@ -337,14 +349,22 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.weight = self.lm_head.weight
 
     def choose_few_rows(self, threads: int) -> None:
-        """Up to how many rows the float32 projections go through the C kernel: this machine's
-        answer (``cpu_measured``, measured once per machine); call after ``prepare_for_cpu``."""
-        layer = [m for m in self.layers[0].modules() if isinstance(m, Linear) and m.kernels is not None]
-        if layer:  # float32 projections (quantized ones have kernels of their own)
-            rows = cpu_measured.few_rows_for(layer, threads)
-            for module in self.modules():
-                if isinstance(module, Linear):
-                    module.few_rows = rows
+        """Up to how many rows the float32 projections, and bfloat16 ones (quantization bf16), go
+        through the C kernel: this machine's answer for each (``cpu_measured``, measured once per
+        machine); call after ``prepare_for_cpu``."""
+        from pdserve.engine.quant.formats import BF16Linear  # (formats builds on this module)
+
+        def measured(kind: type, path_too: bool) -> None:
+            layer = [m for m in self.layers[0].modules()
+                     if type(m) is kind and m.kernels is not None and (not path_too or m.packed is not None)]
+            if layer:
+                rows = cpu_measured.few_rows_for(layer, threads)
+                for module in self.modules():
+                    if type(module) is kind:
+                        module.few_rows = rows
+
+        measured(Linear, path_too=False)  # quantized projections have kernels of their own, but bf16's:
+        measured(BF16Linear, path_too=True)  # (a bf16 weight that oneDNN cannot take: the C kernel to FEW_ROWS)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens.weight)

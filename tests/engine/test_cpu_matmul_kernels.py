@@ -53,6 +53,34 @@ def test_the_row_threshold_is_measured_once_per_machine_and_kept(tmp_path, monke
 
 
 @needs_kernels
+def test_bf16_weights_measure_their_own_threshold_and_the_model_sets_it(tmp_path, monkeypatch):
+    """A bf16 model's projections (``BF16Linear``) are timed apart from float32 ones, under a key of
+    their own (``onednn bf16``), and ``choose_few_rows`` gives every bf16 projection that answer."""
+    from pdserve.engine.config import PRESETS
+    from pdserve.engine.model import LlamaForCausalLM
+    from pdserve.engine.quant import quantize_model
+    from pdserve.engine.quant.formats import BF16Linear
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bfloat16 here")
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(PRESETS["tiny"])
+    quantize_model(model, "bf16")
+    model.prepare_for_cpu(1, "onednn")
+    layer = [m for m in model.layers[0].modules() if isinstance(m, BF16Linear)]
+    assert layer and layer[0].path == "onednn bf16" and layer[0].few_rows == BF16Linear.FEW_ROWS
+    rows, seconds = cpu_measured.measure(layer)  # the C kernel against oneDNN, both in bfloat16 weights
+    assert set(seconds) == set(cpu_measured.CANDIDATES) and all(c > 0 and p > 0 for c, p in seconds.values())
+    monkeypatch.setattr(cpu_measured, "measure", lambda layer: (12, {12: (1.0, 2.0)}))
+    model.choose_few_rows(1)
+    assert {m.few_rows for m in model.modules() if isinstance(m, BF16Linear)} == {12}
+    assert all(m.onednn_rows == 13 for m in model.modules() if isinstance(m, BF16Linear))
+    x = torch.randn(12, layer[0].in_features)
+    assert torch.equal(layer[0](x), layer[0].c_rows(x))  # 12 rows now through the C kernel
+
+
+@needs_kernels
 def test_a_broken_row_threshold_cache_is_measured_around_not_fatal(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     (tmp_path / "measured.json").write_text("{not json")

@@ -68,6 +68,39 @@ def test_bf16_linear_close_to_float_through_each_path(weight_and_input, rows):
     assert rel_err(got, F.linear(x, w)) < 0.02
 
 
+def test_bf16_swiglu_stays_in_bfloat16_and_equals_the_widened_path():
+    """Past the C kernels' rows a bf16 MLP hands gate_up's bfloat16 product to SwiGLU and the down
+    projection as it is (``silu_mul_bf16``); the result is bit for bit the path that widens the product
+    to float32, applies SwiGLU there and rounds it back (and a few rows still go through the C kernels)."""
+    from pdserve.engine import cpu_kernels
+    from pdserve.engine.config import PRESETS
+    from pdserve.engine.model import MLP
+    from pdserve.engine.quant.formats import BF16Linear
+
+    lib = cpu_kernels.load_kernels()
+    if lib is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("needs the C kernels and oneDNN's bfloat16")
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(37, 2 * 173, generator=gen).to(torch.bfloat16) * 4
+    widened = cpu_kernels.silu_mul(lib, gate_up.float().contiguous()).to(torch.bfloat16)
+    got = cpu_kernels.silu_mul(lib, gate_up)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, widened)
+    gate, up = gate_up.float().split(173, dim=-1)
+    torch.testing.assert_close(got.float(), F.silu(gate) * up, rtol=1e-2, atol=1e-2)
+
+    cfg = PRESETS["tiny"]
+    mlp = MLP(cfg)
+    mlp.gate_up_proj = BF16Linear(torch.randn(2 * cfg.intermediate_size, cfg.hidden_size, generator=gen) * 0.05)
+    mlp.down_proj = BF16Linear(torch.randn(cfg.hidden_size, cfg.intermediate_size, generator=gen) * 0.05)
+    mlp.kernels = lib
+    for rows in (3, 40):
+        x = torch.randn(rows, cfg.hidden_size, generator=gen)
+        h = cpu_kernels.silu_mul(lib, mlp.gate_up_proj(x))
+        assert h.dtype == torch.float32
+        assert torch.equal(mlp(x), mlp.down_proj(h)), rows
+    assert mlp.gate_up_proj.product_bf16(x[:3]) is None  # the C kernels' rows: float32 all through
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_linear_close_to_float(weight_and_input, group):
     w, x = weight_and_input

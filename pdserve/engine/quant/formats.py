@@ -317,12 +317,15 @@ class Int4Linear(QuantLinear):
 class BF16Linear(QuantLinear):
     """bfloat16 weights in a float32 model: half the bytes of W, the matmuls in bfloat16.
 
-    One to ``FEW_ROWS`` rows (decode): the C kernels widen each weight to float32 as they stream
+    One to ``few_rows`` rows (decode): the C kernels widen each weight to float32 as they stream
     it, so decode reads half the bytes and keeps float32 arithmetic. More rows: the activations
     are rounded to bfloat16 and oneDNN multiplies them by the packed weight (bf16 dot products on
-    processors that have them: twice float32's rate), the result widened back to float32. Norms,
-    the softmax, the KV cache and the residual stream stay float32 (on those processors prefill
-    attention's products run in bfloat16 too: ``model.bf16_matmuls``, ``CpuPagedAttention``).
+    processors that have them: twice float32's rate), the result widened back to float32 (an MLP
+    keeps its gate_up product in bfloat16 for SwiGLU and the down projection: ``product_bf16``).
+    Norms, the softmax, the KV cache and the residual stream stay float32 (on those processors
+    prefill attention's products run in bfloat16 too: ``model.bf16_matmuls``, ``CpuPagedAttention``).
+    Where the C kernels stop is measured per machine, as for float32 (``cpu_measured``): on 2 AMX
+    Xeon cores 8 rows, against the 4 that a Zen 4 had given (``FEW_ROWS``, the default).
     """
 
     FEW_ROWS = 4
@@ -339,6 +342,7 @@ class BF16Linear(QuantLinear):
         self.register_buffer("qweight", weight.detach().to(torch.bfloat16).contiguous())
         self.kernels = None
         self.packed = None
+        self.few_rows = self.FEW_ROWS  # up to this many rows, the C kernels (the model sets it: cpu_measured)
         if weight.device.type == "cpu":
             from pdserve.engine.cpu_kernels import load_kernels
 
@@ -351,14 +355,35 @@ class BF16Linear(QuantLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= self.FEW_ROWS and self.kernels is not None and x.dtype == torch.float32 and x.is_contiguous():
-            from pdserve.engine import cpu_kernels
+        if rows <= self.few_rows and self.kernels is not None and x.dtype == torch.float32 and x.is_contiguous():
+            return self.c_rows(x)
+        return self.many_rows(x)
 
-            return cpu_kernels.gemm_rows(self.kernels, self.qweight, x)
+    def c_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 ``x W^T`` through the C kernels (a few contiguous float32 rows)."""
+        from pdserve.engine import cpu_kernels
+
+        return cpu_kernels.gemm_rows(self.kernels, self.qweight, x)
+
+    def many_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T`` in bfloat16 products (oneDNN's where the weight is packed), in ``x``'s dtype."""
         xb = x.to(torch.bfloat16)
         if self.packed is not None:
             return onednn_linear(xb, self.packed, self.padded_rows).to(x.dtype)
         return F.linear(xb, self.qweight).to(x.dtype)
+
+    def product_bf16(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x W^T`` left in bfloat16 where oneDNN multiplies ``x`` (more than ``few_rows`` rows, a
+        packed weight); None where the layer would take another path. The same values ``matmul``
+        widens to float32."""
+        if self.packed is None or x.shape[0] <= self.few_rows or self.input_scale is not None:
+            return None
+        return onednn_linear(x.to(torch.bfloat16), self.packed, self.padded_rows)
+
+    @property
+    def path(self) -> str:
+        """What multiplies past ``few_rows`` rows."""
+        return "onednn bf16" if self.packed is not None else "torch bf16"
 
     @classmethod
     def padded_rows(cls, rows: int) -> int:
@@ -368,7 +393,7 @@ class BF16Linear(QuantLinear):
     @property
     def onednn_rows(self) -> int | None:
         """From how many rows oneDNN multiplies (the warm-up builds each count's kernel); None: never."""
-        return self.FEW_ROWS + 1 if self.packed is not None else None
+        return self.few_rows + 1 if self.packed is not None else None
 
 
 # ---- fp8 ----------------------------------------------------------------------------------
