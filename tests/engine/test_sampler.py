@@ -36,6 +36,24 @@ def test_greedy_takes_argmax():
     assert tokens == [3]
 
 
+def test_first_max_is_argmax_with_ties_nans_and_infinities():
+    """Greedy tokens come from ``torch.max``'s indices (faster on CPUs): each row's first largest value,
+    as ``torch.argmax`` picks it, ties, NaNs and infinities included, at the default model's width."""
+    from pdserve.engine.sampler import first_max
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (64, 49152), generator=gen).float()  # many ties in every row
+    x[5, 100] = x[5, 7] = float("nan")
+    x[6, 9] = x[6, 90] = float("inf")
+    x[7] = float("-inf")
+    x[8, 33] = float("nan")
+    x[8, 3] = float("inf")
+    assert torch.equal(first_max(x), x.argmax(dim=-1))
+    assert first_max(x)[5] == 7 and first_max(x)[6] == 9 and first_max(x)[7] == 0 and first_max(x)[8] == 33
+    y = torch.randn(3, 1000, generator=gen).to(torch.bfloat16)
+    assert torch.equal(first_max(y), y.argmax(dim=-1))
+
+
 def test_temperature_sampling_matches_softmax():
     freq = draw_many(LOGITS, SamplingParams(temperature=1.0), n=20000)
     expected = torch.softmax(LOGITS[0], -1)
