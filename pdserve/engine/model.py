@@ -276,12 +276,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.kernels = None  # the C kernels, set by LlamaForCausalLM.prepare_for_cpu
+        self.bf16_swiglu = False  # both projections BF16Linear (set there too): see forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and hasattr(self.down_proj, "product_bf16"):
+        if self.bf16_swiglu:
             # bf16 weights (quantization bf16): past the C kernels' rows, gate_up's bfloat16 product goes
             # through SwiGLU into the down projection without being widened to float32 and rounded back
-            gate_up = self.gate_up_proj.product_bf16(x) if hasattr(self.gate_up_proj, "product_bf16") else None
+            gate_up = self.gate_up_proj.product_bf16(x)
             if gate_up is not None:
                 h = cpu_kernels.silu_mul(self.kernels, gate_up)
                 down = self.down_proj.product_bf16(h)
@@ -335,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
         ``cpu_isa``) and use the C kernels for norms and SwiGLU where they can be built; call
         once after loading."""
         # the activations' dtype (the norms'): a bf16 embedding table under float32 activations still takes them
-        from pdserve.engine.quant.formats import QuantLinear
+        from pdserve.engine.quant.formats import BF16Linear, QuantLinear
 
         kernels = cpu_kernels.load_kernels() if self.norm.weight.dtype == torch.float32 else None
         for module in self.modules():
@@ -345,6 +346,9 @@ class LlamaForCausalLM(nn.Module):
                 module.prepare_for_cpu(threads, kernels)
             elif isinstance(module, (RMSNorm, MLP)):
                 module.kernels = kernels
+                if isinstance(module, MLP):
+                    module.bf16_swiglu = kernels is not None and all(
+                        isinstance(p, BF16Linear) for p in (module.gate_up_proj, module.down_proj))
         if self.config.tie_word_embeddings and isinstance(self.lm_head, Linear):  # (a bf16 head has its own copy)
             self.embed_tokens.weight = self.lm_head.weight
 

@@ -92,7 +92,7 @@ def test_bf16_swiglu_stays_in_bfloat16_and_equals_the_widened_path():
     mlp = MLP(cfg)
     mlp.gate_up_proj = BF16Linear(torch.randn(2 * cfg.intermediate_size, cfg.hidden_size, generator=gen) * 0.05)
     mlp.down_proj = BF16Linear(torch.randn(cfg.hidden_size, cfg.intermediate_size, generator=gen) * 0.05)
-    mlp.kernels = lib
+    mlp.kernels, mlp.bf16_swiglu = lib, True  # (as LlamaForCausalLM.prepare_for_cpu sets them)
     for rows in (3, 40):
         x = torch.randn(rows, cfg.hidden_size, generator=gen)
         h = cpu_kernels.silu_mul(lib, mlp.gate_up_proj(x))

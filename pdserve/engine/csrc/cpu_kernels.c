@@ -126,7 +126,6 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
     }
 }
 
-
 /* y[m, n] = x[m, k] @ w[n, k]^T for a few rows (m small: decode batches, speculative
  * verification): a register tile of 4 rows of w by up to 4 rows of x, w's 4 rows read once from
  * memory and again from L1 for each further 4 rows of x, while the tile 2 ahead is prefetched.
