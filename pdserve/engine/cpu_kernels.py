@@ -46,6 +46,8 @@ def _cpu_flags() -> list[str]:
             chosen += ["-mavx512vnni"]
     if level >= ORDER.index("avx512_bf16"):
         chosen += ["-mavx512bf16"]
+    if level >= ORDER.index("amx"):  # a bf16 model's prefill attention on AMX tiles: cpu_attention.c
+        chosen += ["-mamx-tile", "-mamx-bf16"]
     return chosen
 
 
@@ -135,18 +137,20 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_ids: torch.Tensor, context_len: int, window: int, scale: float,
-                  bf16_products: bool = False) -> torch.Tensor | None:
+                  bf16_products: bool = False, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Attention of a prefill chunk (``q`` ``[n, H, D]``, see ``rows_of_heads``) over its context and
     itself, read from the cache in place (the chunk's keys and values already written); causal, and
     within ``window`` positions when it is non-zero. ``bf16_products``: the scores and the values
     multiplied in bfloat16 (dot products; where the kernels were built with them, else float32).
-    None when the kernel could not allocate its scratch (the caller computes it another way)."""
+    None when the kernel could not allocate its scratch (the caller computes it another way). ``out``:
+    where the answer goes (``[n, H, D]`` float32, ``rows_of_heads``), else a new tensor."""
     n, h, d = q.shape
     _, kvh, bs, _ = v_cache.shape
-    out = torch.empty(n, h, d, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(n, h, d, dtype=torch.float32)
     failed = lib.paged_prefill_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(), out.data_ptr(), n,
-        context_len, window, h, kvh, d, bs, q.stride(0), h * d, scale, int(bf16_products),
+        context_len, window, h, kvh, d, bs, q.stride(0), out.stride(0), scale, int(bf16_products),
         int(v_cache.dtype == torch.bfloat16),
     )
     return None if failed else out

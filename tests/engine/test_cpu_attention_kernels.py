@@ -173,9 +173,53 @@ def test_the_prefill_kernel_matches_dense_attention():
 def test_the_prefill_kernel_in_bfloat16_products_stays_close():
     """Where the processor has bf16 dot products the kernels are built with them and a bf16 model's
     prefill uses them (the answer then differs from float32's, within bfloat16's precision)."""
-    if "avx512_bf16" in cpu_flags() and os.environ.get(ENV_ISA) in (None, "avx512_bf16", "amx"):
-        assert load_kernels().paged_prefill_bf16_products() == 1
+    isa = os.environ.get(ENV_ISA)
+    if "avx512_bf16" in cpu_flags() and isa in (None, "avx512_bf16", "amx"):
+        # 2: on AMX tiles, where the processor has them and the ISA is not capped below them
+        amx = {"amx_tile", "amx_bf16"} <= set(cpu_flags()) and isa != "avx512_bf16"
+        assert load_kernels().paged_prefill_bf16_products() == (2 if amx else 1)
     check_prefill_cases("kernel_bf16")
+
+
+@needs_kernels
+@pytest.mark.skipif(not {"amx_tile", "amx_bf16"} <= set(cpu_flags()), reason="no AMX tiles on this processor")
+def test_the_amx_products_equal_the_bf16_dot_products(tmp_path):
+    """On AMX tiles a bf16 model's prefill attention multiplies the same bfloat16 pairs as with
+    vdpbf16ps; only the order of the float32 sums differs, which moves a score by an ulp and, now
+    and then, a probability across a bfloat16 rounding step (both sides also stay close to float32:
+    the cases above). The vdpbf16ps side runs in a child process with PDSERVE_AMX_OFF=1."""
+    script = '''
+import sys, torch
+from pdserve.engine.attention import CpuPagedAttention, PrefillChunk
+from pdserve.engine.cpu_kernels import load_kernels
+sys.path.insert(0, sys.argv[2])
+from test_cpu_attention_kernels import PREFILL_CASES, paged
+torch.manual_seed(0)
+outs = []
+for heads, kv_heads, head_dim, block_size, context_len, query_len, window in PREFILL_CASES:
+    for kv_dtype in (torch.float32, torch.bfloat16):
+        backend = CpuPagedAttention(heads, kv_heads, head_dim)
+        backend.prefill_products = "kernel_bf16"
+        total = context_len + query_len
+        keys, values = torch.randn(total, kv_heads, head_dim), torch.randn(total, kv_heads, head_dim)
+        q = torch.randn(query_len, heads, head_dim)
+        k_cache, v_cache, table = paged(keys, values, block_size, dtype=kv_dtype)
+        chunk = PrefillChunk(0, query_len, context_len, table, window)
+        outs.append(backend.prefill(q, keys[context_len:], values[context_len:], k_cache, v_cache, chunk))
+torch.save({"products": load_kernels().paged_prefill_bf16_products(), "outs": outs}, sys.argv[1])
+'''
+    results = {}
+    for name, off in (("amx", "0"), ("vdpbf16ps", "1")):
+        env = {**os.environ, "PDSERVE_AMX_OFF": off, ENV_ISA: "amx"}
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / name), os.path.dirname(__file__)], env=env,
+                       check=True)
+        results[name] = torch.load(tmp_path / name)
+    assert results["amx"]["products"] == 2 and results["vdpbf16ps"]["products"] == 1
+    for a, b in zip(results["amx"]["outs"], results["vdpbf16ps"]["outs"], strict=True):
+        assert torch.isfinite(a).all()
+        diff = (a - b).abs()
+        print(f"max {diff.max():.2e} mean {diff.mean():.2e} differing {(diff > 1e-5).float().mean():.2%}")
+        assert diff.max() < 2e-3 and diff.mean() < 1e-5
 
 
 def test_prefill_through_sdpa_in_bfloat16_stays_close():

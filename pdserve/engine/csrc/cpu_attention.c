@@ -114,8 +114,129 @@ typedef struct {
     uint32_t *k; /* [MAX_D / 2][KC]: key j's dims (2i, 2i + 1) at [i][j] */
     uint32_t *v; /* [KC / 2][MAX_D]: keys (2i, 2i + 1)'s values of dim d at [i][d] */
     uint32_t *p; /* [ROWS][KC / 2]: row r's probabilities of keys (2i, 2i + 1) */
+    int amx;     /* the products on AMX tiles (amx_products below), this thread's tiles configured */
 } pairs_t;
 #define PAIRS_U32 (ROWS * MAX_D / 2 + MAX_D / 2 * KC + KC / 2 * MAX_D + ROWS * KC / 2)
+
+/* The same two products on AMX tiles (processors with amx_tile and amx_bf16, built with -mamx-tile
+ * -mamx-bf16): one tdpbf16ps multiplies a 16 x 32 bfloat16 tile by a 32 x 16 one into 16 x 16
+ * float32, 16 times the work of a vdpbf16ps. The pair scratch above is already the tiles' layout:
+ * the queries and probabilities are A (a row's pairs in a row), the keys and values B (a pair
+ * of rows interleaved, as AMX's VNNI layout has them). Rows are taken 16 at a time: the rows past a
+ * task's last (up to the next 16) compute from stale scratch and are never read; the value pairs
+ * past the step's last key are zeroed, since their probabilities are zero and 0 x a stale NaN is
+ * not. Tiles: 0-3 the 2 x 2 accumulators, 4-5 A, 6-7 B, each 16 rows of 64 bytes. Linux lends a
+ * process the tiles' state only on request (amx_products). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_PRODUCTS 1
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+/* Whether this process may use the tiles (asked of the kernel once: ARCH_REQ_XCOMP_PERM for
+ * XTILEDATA); PDSERVE_AMX_OFF=1 in the environment keeps the vdpbf16ps products (to compare). */
+static int amx_granted = -1;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static void ask_for_amx(void) {
+    const char *off = getenv("PDSERVE_AMX_OFF");
+    amx_granted = (off == NULL || off[0] != '1') && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                                            18 /* XFEATURE_XTILEDATA */) == 0;
+}
+static int amx_products(void) {
+    pthread_once(&amx_once, ask_for_amx);
+    return amx_granted;
+}
+static void amx_configure(void) {
+    tile_config_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* s[r][j] for rows (padded to 16) by ncols x 16 keys: the queries' pairs (A) by the keys' (B) */
+static void scores_amx(float *s, const pairs_t *bf, int64_t ncols, int64_t rows, int64_t D) {
+    const int64_t rows16 = (rows + 15) / 16 * 16, qs = MAX_D / 2 * 4, ks = KC * 4, ss = KC * 4;
+    for (int64_t r0 = 0; r0 < rows16; r0 += 32) {
+        const int two_r = r0 + 16 < rows16;
+        for (int64_t u = 0; u < ncols; u += 2) {
+            const int two_u = u + 1 < ncols;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < D / 32; kb++) {
+                _tile_loadd(4, bf->q + r0 * (MAX_D / 2) + kb * 16, qs);
+                _tile_loadd(6, bf->k + kb * 16 * KC + u * 16, ks);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_u) {
+                    _tile_loadd(7, bf->k + kb * 16 * KC + (u + 1) * 16, ks);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (two_r) {
+                    _tile_loadd(5, bf->q + (r0 + 16) * (MAX_D / 2) + kb * 16, qs);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two_u) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, s + r0 * KC + u * 16, ss);
+            if (two_u) _tile_stored(1, s + r0 * KC + (u + 1) * 16, ss);
+            if (two_r) {
+                _tile_stored(2, s + (r0 + 16) * KC + u * 16, ss);
+                if (two_u) _tile_stored(3, s + (r0 + 16) * KC + (u + 1) * 16, ss);
+            }
+        }
+    }
+}
+
+/* o[r][0 .. D) += the probabilities' pairs (A) by the values' (B), over pairs (rounded up to 16:
+ * the value pairs past `pairs` zeroed first) */
+static void values_amx(float *o, const pairs_t *bf, int64_t pairs, int64_t rows, int64_t D) {
+    const int64_t rows16 = (rows + 15) / 16 * 16, pairs16 = (pairs + 15) / 16 * 16;
+    const int64_t ps = KC / 2 * 4, vs = MAX_D * 4, os = D * 4;
+    for (int64_t jp = pairs; jp < pairs16; jp++) memset(bf->v + jp * MAX_D, 0, sizeof(uint32_t) * D);
+    for (int64_t r0 = 0; r0 < rows16; r0 += 32) {
+        const int two_r = r0 + 16 < rows16;
+        for (int64_t c = 0; c < D; c += 32) {
+            _tile_loadd(0, o + r0 * D + c, os);
+            _tile_loadd(1, o + r0 * D + c + 16, os);
+            if (two_r) {
+                _tile_loadd(2, o + (r0 + 16) * D + c, os);
+                _tile_loadd(3, o + (r0 + 16) * D + c + 16, os);
+            }
+            for (int64_t kb = 0; kb < pairs16 / 16; kb++) {
+                _tile_loadd(4, bf->p + r0 * (KC / 2) + kb * 16, ps);
+                _tile_loadd(6, bf->v + kb * 16 * MAX_D + c, vs);
+                _tile_loadd(7, bf->v + kb * 16 * MAX_D + c + 16, vs);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two_r) {
+                    _tile_loadd(5, bf->p + (r0 + 16) * (KC / 2) + kb * 16, ps);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, o + r0 * D + c, os);
+            _tile_stored(1, o + r0 * D + c + 16, os);
+            if (two_r) {
+                _tile_stored(2, o + (r0 + 16) * D + c, os);
+                _tile_stored(3, o + (r0 + 16) * D + c + 16, os);
+            }
+        }
+    }
+}
+#else
+#define AMX_PRODUCTS 0
+static int amx_products(void) { return 0; }
+#endif
 
 static const float zeros[MAX_D];
 
@@ -165,6 +286,12 @@ static void scores_bf16(float *s, const pairs_t *bf, const char *const *col, int
         for (int64_t dp = 0; dp < D / 2; dp++)
             _mm512_storeu_si512(bf->k + dp * KC + u * 16, pair_lanes_kv(kv_at(col[u], 2 * dp * BS, kvb),
                                                                          kv_at(col[u], (2 * dp + 1) * BS, kvb), kvb));
+#if AMX_PRODUCTS
+    if (bf->amx) {
+        scores_amx(s, bf, ncols, rows, D);
+        return;
+    }
+#endif
     for (int64_t u0 = 0; u0 < ncols; u0 += NV) {
         const int64_t nv = ncols - u0 < NV ? ncols - u0 : NV;
         for (int64_t r0 = 0; r0 < rows; r0 += MRS) {
@@ -209,6 +336,12 @@ static void values_bf16(float *o, const float *s, const pairs_t *bf, const char 
             _mm512_storeu_si512(bf->v + jp * MAX_D + c, pair_lanes_kv(kv_at(a, c, kvb), kv_at(b, c, kvb), kvb));
     }
     for (int64_t r = 0; r < rows; r++) adjacent_pairs(bf->p + r * (KC / 2), s + r * KC, KC);
+#if AMX_PRODUCTS
+    if (bf->amx) {
+        values_amx(o, bf, pairs, rows, D);
+        return;
+    }
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += MR) {
         const int64_t mr = rows - r0 < MR ? rows - r0 : MR;
         for (int64_t c = 0; c < D; c += 64) {
@@ -219,8 +352,11 @@ static void values_bf16(float *o, const float *s, const pairs_t *bf, const char 
         }
     }
 }
+
 #else
 #define BF16_PRODUCTS 0
+#define AMX_PRODUCTS 0
+static int amx_products(void) { return 0; }
 typedef struct {
     uint32_t *q;
 } pairs_t;
@@ -370,19 +506,20 @@ static float *alloc_scratch(pairs_t *pairs) {
     pairs->k = pairs->q + ROWS * MAX_D / 2;
     pairs->v = pairs->k + MAX_D / 2 * KC;
     pairs->p = pairs->v + KC / 2 * MAX_D;
+    pairs->amx = 0;
 #endif
     return qs;
 }
 
-/* One task: KV head h, positions [pb * PB, pb * PB + PB) of the chunk. */
+/* One task: KV head h, positions [pb * ppt, pb * ppt + ppt) of the chunk. */
 static void prefill_task(const float *q, const void *k, const void *v, const int64_t *blocks, float *out,
                          float *qs, int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D,
-                         int64_t BS, int64_t q_stride, int64_t out_stride, float scale, int64_t pb, int64_t h,
-                         const pairs_t *bf, int kvb) {
+                         int64_t BS, int64_t q_stride, int64_t out_stride, float scale, int64_t pb, int64_t ppt,
+                         int64_t h, const pairs_t *bf, int kvb) {
     const int64_t G = H / KVH;
     float *o = qs + ROWS * MAX_D, *s = o + ROWS * MAX_D;
 
-    const int64_t p0 = pb * PB, p1 = p0 + PB < n ? p0 + PB : n;
+    const int64_t p0 = pb * ppt, p1 = p0 + ppt < n ? p0 + ppt : n;
     const int64_t rows = (p1 - p0) * G;
     float m[ROWS], l[ROWS];
     int64_t last[ROWS], first[ROWS]; /* each row's key range [first, last] (absolute) */
@@ -472,15 +609,19 @@ int paged_decode_f32(const float *q, const void *k, const void *v, const int64_t
     return failed ? -1 : 0;
 }
 
-/* Whether paged_prefill_f32 can multiply in bfloat16 (built for a processor with bf16 dot products). */
-int paged_prefill_bf16_products(void) { return BF16_PRODUCTS; }
+/* How paged_prefill_f32 multiplies in bfloat16: 0 it cannot (built without bf16 dot products), 1
+ * with AVX-512 bf16 dot products, 2 on AMX tiles (built for them and granted by the kernel). */
+int paged_prefill_bf16_products(void) { return BF16_PRODUCTS ? 1 + (AMX_PRODUCTS && amx_products()) : 0; }
 
 int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_t *blocks, float *out,
                        int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                        int64_t q_stride, int64_t out_stride, float scale, int64_t bf16_products, int64_t kv_bf16) {
     const int bf16 = BF16_PRODUCTS && bf16_products;
-    const int64_t pblocks = (n + PB - 1) / PB; /* tasks run last positions first: the most keys, so the
-                                                 * dynamic schedule ends balanced */
+    /* positions per task: PB, or on AMX tiles as many as the rows take (each task rounds every key
+     * and value it reads into pairs once: with the products on tiles, that is most of its time) */
+    const int64_t ppt = bf16 && AMX_PRODUCTS && amx_products() ? ROWS / (H / KVH) : PB;
+    const int64_t pblocks = (n + ppt - 1) / ppt; /* tasks run last positions first: the most keys, so the
+                                                   * dynamic schedule ends balanced */
     const int64_t tasks = pblocks * KVH;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
@@ -488,11 +629,21 @@ int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_
         pairs_t pairs, *bf = bf16 ? &pairs : NULL;
         float *qs = alloc_scratch(&pairs);
         failed = qs == NULL;
+#if AMX_PRODUCTS
+        if (bf != NULL && amx_products()) { /* the tiles' shapes, on each thread (oneDNN loads its own) */
+            amx_configure();
+            pairs.amx = 1;
+        }
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             if (qs != NULL) prefill_task(q, k, v, blocks, out, qs, n, ctx, window, H, KVH, D, BS, q_stride,
-                                         out_stride, scale, pblocks - 1 - task / KVH, task % KVH, bf, kv_bf16 != 0);
+                                         out_stride, scale, pblocks - 1 - task / KVH, ppt, task % KVH, bf,
+                                         kv_bf16 != 0);
         }
+#if AMX_PRODUCTS
+        if (bf != NULL && pairs.amx) _tile_release();
+#endif
     }
     return failed ? -1 : 0;
 }
