@@ -81,12 +81,16 @@ def test_bf16_swiglu_stays_in_bfloat16_and_equals_the_widened_path():
     if lib is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("needs the C kernels and oneDNN's bfloat16")
     gen = torch.Generator().manual_seed(3)
-    gate_up = torch.randn(37, 2 * 173, generator=gen).to(torch.bfloat16) * 4
-    widened = cpu_kernels.silu_mul(lib, gate_up.float().contiguous()).to(torch.bfloat16)
-    got = cpu_kernels.silu_mul(lib, gate_up)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, widened)
-    gate, up = gate_up.float().split(173, dim=-1)
-    torch.testing.assert_close(got.float(), F.silu(gate) * up, rtol=1e-2, atol=1e-2)
+    for n in (173, 176):  # a row's tail one by one; whole rows 16 lanes at a time (AVX-512)
+        gate_up = torch.randn(37, 2 * n, generator=gen).to(torch.bfloat16) * 4
+        gate_up[0, :3] = torch.tensor([float("nan"), 100.0, -100.0])  # NaN; e^-g large, and tiny
+        widened = cpu_kernels.silu_mul(lib, gate_up.float().contiguous()).to(torch.bfloat16)
+        got = cpu_kernels.silu_mul(lib, gate_up)
+        nan = widened.isnan()  # (a NaN's bits: the kernel's 0x7fc0, torch's vector cast 0xffff)
+        assert got.dtype == torch.bfloat16 and torch.equal(got.isnan(), nan) and nan[0, 0]
+        assert torch.equal(got[~nan].view(torch.int16), widened[~nan].view(torch.int16))
+        gate, up = gate_up.float().split(n, dim=-1)
+        torch.testing.assert_close(got.float(), F.silu(gate) * up, rtol=1e-2, atol=1e-2, equal_nan=True)
 
     cfg = PRESETS["tiny"]
     mlp = MLP(cfg)

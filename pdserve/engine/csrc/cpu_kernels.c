@@ -44,10 +44,51 @@ void rms_norm_f32(const float *x, const float *residual, float *residual_out, co
     }
 }
 
-/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]: SwiGLU over a fused [rows, 2n] projection. */
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]: SwiGLU over a fused [rows, 2n] projection.
+ * With AVX-512, 16 lanes at a time through exp_neg16 and a reciprocal refined once (glibc's vector
+ * expf and a division took 0.87 ms for 2,048 x 1,536 outputs on 2 AMX Xeon cores, ~8% of a bf16
+ * model's prefill step); the tail, and other processors, as written. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* exp(-x) for 16 lanes: 2^k e^r with k = round(-x log2 e) and r = -x - k ln 2 (ln 2 split in two),
+ * e^r by its Taylor polynomial to r^7 (|r| <= ln 2 / 2: relative error ~1e-8, below float32's ulp),
+ * scaled by 2^k in one vscalefps. -x is clamped to [-104, 88.7]: e^-x stays finite and the
+ * reciprocal below never meets an infinity (a NaN x stays NaN: min and max hand back their second
+ * operand when it is NaN). */
+static inline __m512 exp_neg16(__m512 x) {
+    __m512 t = _mm512_sub_ps(_mm512_setzero_ps(), x);
+    t = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(88.7f), t));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), t);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+
+/* g / (1 + e^-g) * u for 16 lanes: the reciprocal from vrcp14ps (14 bits) and one Newton step */
+static inline __m512 silu_mul16(__m512 g, __m512 u) {
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_neg16(g));
+    __m512 y = _mm512_rcp14_ps(d);
+    y = _mm512_mul_ps(y, _mm512_fnmadd_ps(d, y, _mm512_set1_ps(2.0f)));
+    return _mm512_mul_ps(_mm512_mul_ps(g, y), u);
+}
+#endif
+
 static inline void silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(o + i, silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+#endif
+    for (; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t n) {
@@ -114,11 +155,35 @@ static inline float bf16_to_f32(uint16_t h) {
  * rounded as torch rounds, so it equals silu_mul_f32 of the widened product cast to bfloat16, bit for
  * bit, without the two float32 tensors between (on 2 AMX Xeon cores, 12 ms of a 512-token prefill's
  * ~210 ms went to those casts). */
+#if defined(__AVX512F__)
+/* 16 lanes of float32 -> bfloat16 as f32_to_bf16 rounds them (NaN to 0x7fc0) */
+static inline __m256i bf16_round16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+static inline __m512 bf16_widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t n) {
 #pragma omp parallel for schedule(static) if (rows > 16)
     for (int64_t r = 0; r < rows; r++) {
-        float row[2 * n], o[n];
         const uint16_t *src = gate_up + r * 2 * n;
+#if defined(__AVX512F__)
+        if (n % 16 == 0) { /* widened, multiplied and rounded 16 lanes at a time, as below */
+            for (int64_t i = 0; i < n; i += 16)
+                _mm256_storeu_si256((__m256i *)(out + r * n + i),
+                                    bf16_round16(silu_mul16(bf16_widen16(src + i), bf16_widen16(src + n + i))));
+            continue;
+        }
+#endif
+        float row[2 * n], o[n];
         for (int64_t i = 0; i < 2 * n; i++) row[i] = bf16_to_f32(src[i]);
         silu_mul_row(row, row + n, o, n);
         uint16_t *dst = out + r * n;
