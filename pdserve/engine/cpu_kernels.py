@@ -93,7 +93,8 @@ def load_kernels() -> ctypes.CDLL | None:
     f32 = ctypes.c_float
     signatures = {
         "paged_decode_f32": [ptr] * 7 + [i64] * 6 + [f32, i64],
-        "rms_norm_f32": [ptr] * 5 + [i64] * 2 + [f32],
+        "rms_norm_f32": [ptr] * 5 + [i64] * 2 + [f32] + [i64] * 2,
+        "rope_qkv_f32": [ptr, i64, ptr, ptr] + [i64] * 4,
         "silu_mul_f32": [ptr] * 2 + [i64] * 2,
         "silu_mul_bf16": [ptr] * 2 + [i64] * 2,
         "write_kv_f32": [ptr] * 6 + [i64] * 6,
@@ -172,17 +173,32 @@ def usable_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
             and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
-def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """``(norm(x + residual), x + residual)``, or ``norm(x)`` when there is no residual."""
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             out_dtype: torch.dtype = torch.float32):
+    """``(norm(x + residual), x + residual)``, or ``norm(x)`` when there is no residual. ``x`` float32 or
+    bfloat16 (widened as it is read); the norm in ``out_dtype`` (float32 or bfloat16), the sum in float32."""
     rows, dim = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty(rows, dim, dtype=out_dtype)
+    x_bf16, out_bf16 = int(x.dtype == torch.bfloat16), int(out_dtype == torch.bfloat16)
     if residual is None:
-        lib.rms_norm_f32(x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+        lib.rms_norm_f32(x.data_ptr(), None, None, weight.data_ptr(), out.data_ptr(), rows, dim, eps, x_bf16,
+                         out_bf16)
         return out
-    new_residual = torch.empty_like(x)
+    new_residual = torch.empty(rows, dim, dtype=torch.float32)
     lib.rms_norm_f32(x.data_ptr(), residual.data_ptr(), new_residual.data_ptr(), weight.data_ptr(),
-                     out.data_ptr(), rows, dim, eps)
+                     out.data_ptr(), rows, dim, eps, x_bf16, out_bf16)
     return out, new_residual
+
+
+def rope_qkv(lib: ctypes.CDLL, qkv: torch.Tensor, rot: torch.Tensor, rot_heads: int, head_dim: int) -> torch.Tensor:
+    """The fused projection ``qkv`` (contiguous ``[T, heads * head_dim]``, float32 or bfloat16) in float32,
+    its first ``rot_heads`` heads rotated by ``rot`` (``RotaryEmbedding``'s ``[T, 1, head_dim / 2]``
+    complex64, contiguous) as ``model.apply_rope`` rotates them."""
+    t, width = qkv.shape
+    out = torch.empty(t, width, dtype=torch.float32)
+    lib.rope_qkv_f32(qkv.data_ptr(), int(qkv.dtype == torch.bfloat16), torch.view_as_real(rot).data_ptr(),
+                     out.data_ptr(), t, rot_heads, width // head_dim, head_dim)
+    return out
 
 
 def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:

@@ -174,6 +174,9 @@ def warm_up_projections(model: nn.Module, max_rows: int, head_rows: int, progres
     return len(plan), len(calls)
 
 
+NORM_DTYPES = (torch.float32, torch.bfloat16)  # what the C kernel reads and writes (its weight and residual: float32)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -181,18 +184,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.kernels = None  # the C kernels, set by LlamaForCausalLM.prepare_for_cpu
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Normalise ``x`` (after adding ``residual``, returned as the new residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+        """Normalise ``x`` (after adding ``residual``, returned as the new residual). ``out_dtype``
+        (CPU): the norm's dtype when not x's; the C kernel then also takes a bfloat16 ``x`` beside a
+        float32 residual (a bf16 model's projections: ``DecoderLayer.bf16_norms``)."""
         if x.is_cuda:  # one fused Triton kernel (norm and residual add)
             from pdserve.engine.triton_kernels import rms_norm
 
             return rms_norm(x, residual, self.weight, self.eps)
-        if self.kernels is not None and usable(x, self.weight, *([] if residual is None else [residual])):
-            return cpu_kernels.rms_norm(self.kernels, x, residual, self.weight, self.eps)
+        out_dtype = out_dtype or x.dtype
+        if (self.kernels is not None and x.dtype in NORM_DTYPES and out_dtype in NORM_DTYPES and x.is_cpu
+                and x.is_contiguous() and usable(self.weight, *([] if residual is None else [residual]))):
+            return cpu_kernels.rms_norm(self.kernels, x, residual, self.weight, self.eps, out_dtype)
         if residual is not None:
             x = x + residual
             residual = x
-        out = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        out = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps).to(out_dtype)
         return out if residual is None else (out, residual)
 
 
@@ -257,10 +264,26 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.kernels = None  # the C kernels, set by LlamaForCausalLM.prepare_for_cpu
+        self.bf16_qkv = False  # qkv_proj a BF16Linear (set there too): see forward
 
     def forward(self, x, rot, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
-        qkv = self.qkv_proj(x)
+        # bf16 weights: past the C kernels' rows the projection's bfloat16 product goes to the RoPE kernel,
+        # which widens it as it rotates (no float32 copy of it first)
+        qkv = self.qkv_proj.product_bf16(x) if self.bf16_qkv else None
+        if qkv is None:
+            qkv = self.qkv_proj(x)
         t, qk_size = qkv.shape[0], self.q_size + self.kv_size
+        if self.kernels is not None and qkv.is_contiguous() and rot.is_contiguous() and qkv.dtype in (
+                torch.float32, torch.bfloat16):
+            qkv = cpu_kernels.rope_qkv(self.kernels, qkv, rot, self.num_heads + self.num_kv_heads, self.head_dim)
+            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, self.head_dim)
+            v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+            out = backend.forward(q, k, v, k_cache, v_cache, meta).reshape(-1, self.q_size)
+            # a bfloat16 x (DecoderLayer.bf16_norms): the product goes back in bfloat16 as well
+            product = self.o_proj.product_bf16(out) if x.dtype is torch.bfloat16 and self.bf16_qkv else None
+            return product if product is not None else self.o_proj(out)
         # q and k sit side by side in qkv: rotate them in one go.
         qk = apply_rope(qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), rot)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -301,15 +324,20 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.bf16_norms = False  # every projection a BF16Linear and the C kernels there (prepare_for_cpu)
 
     def forward(self, x, residual, rot, k_cache, v_cache, meta, backend):
+        # bf16 weights past the C kernels' rows: the norms hand the projections bfloat16 and take their
+        # bfloat16 products back (the values casts around float32 norms would give, without the casts:
+        # a 4 x 512-token prefill step on 2 AMX Xeon cores 500-514 -> 440-453 ms); x may then come in bfloat16
+        narrow = torch.bfloat16 if self.bf16_norms and x.shape[0] > self.self_attn.qkv_proj.few_rows else None
         if residual is None:
             residual = x
-            h = self.input_layernorm(x)
+            h = self.input_layernorm(x, out_dtype=narrow)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, out_dtype=narrow)
         h = self.self_attn(h, rot, k_cache, v_cache, meta, backend)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(h, residual, out_dtype=narrow)
         return self.mlp(h), residual
 
 
@@ -344,11 +372,17 @@ class LlamaForCausalLM(nn.Module):
                 module.prepare_for_cpu(threads, kernels, linear_path)
             elif isinstance(module, QuantLinear):  # (GGUF blocks multiply through kernels of their own)
                 module.prepare_for_cpu(threads, kernels)
-            elif isinstance(module, (RMSNorm, MLP)):
+            elif isinstance(module, (RMSNorm, MLP, Attention)):
                 module.kernels = kernels
                 if isinstance(module, MLP):
                     module.bf16_swiglu = kernels is not None and all(
                         isinstance(p, BF16Linear) for p in (module.gate_up_proj, module.down_proj))
+                elif isinstance(module, Attention):
+                    module.bf16_qkv = kernels is not None and isinstance(module.qkv_proj, BF16Linear)
+        for layer in self.layers:
+            if type(layer) is DecoderLayer:
+                attn, mlp = layer.self_attn, layer.mlp
+                layer.bf16_norms = attn.bf16_qkv and isinstance(attn.o_proj, BF16Linear) and mlp.bf16_swiglu
         if self.config.tie_word_embeddings and isinstance(self.lm_head, Linear):  # (a bf16 head has its own copy)
             self.embed_tokens.weight = self.lm_head.weight
 

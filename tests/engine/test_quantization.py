@@ -16,6 +16,7 @@ from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.attention import PREFILL_PRODUCTS
 from pdserve.engine.cpu_kernels import load_kernels
 from pdserve.engine.loader import load_model
+from pdserve.engine.model import MLP, Attention, RMSNorm
 from pdserve.engine.quant import QuantLinear, quantize_model, weight_bytes
 from pdserve.engine.quant.awq import full_forward, search_scale
 from pdserve.engine.quant.formats import (
@@ -305,6 +306,37 @@ def test_tiny_model_quantized_logits_close_to_float(float_tiny, method, bound):
     want, got = full_forward(float_tiny.model, ids), full_forward(quant.model, ids)
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < bound
+
+
+def test_a_bf16_model_between_norms_and_projections_stays_in_bfloat16_with_the_same_logits(float_tiny):
+    """bf16 weights past the C kernels' rows: the norms hand each projection bfloat16 and take its
+    bfloat16 product back (DecoderLayer.bf16_norms), and RoPE widens the qkv product as it rotates;
+    the logits are bit for bit those of float32 norms with casts around them, and the rotation is
+    model.apply_rope's (the C kernels off: torch's ops throughout)."""
+    quant = load_model("random:tiny", progress=False, seed=3, quantization="bf16")
+    model = quant.model
+    if model.layers[0].self_attn.kernels is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("needs the C kernels and oneDNN's bfloat16")
+    assert all(layer.bf16_norms and layer.self_attn.bf16_qkv for layer in model.layers)
+    ids = torch.tensor(float_tiny.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4))
+    assert len(ids) > model.layers[0].self_attn.qkv_proj.few_rows
+    seen = []  # the dtype the MLP's norm hands its projection
+    hook = model.layers[1].post_attention_layernorm.register_forward_hook(lambda m, a, out: seen.append(out[0].dtype))
+    with torch.inference_mode():
+        narrow = full_forward(model, ids)
+        for layer in model.layers:
+            layer.bf16_norms = False
+        wide = full_forward(model, ids)
+        for module in model.modules():
+            if isinstance(module, (RMSNorm, MLP, Attention)):
+                module.kernels = None
+            if isinstance(module, (MLP, Attention)):
+                module.bf16_swiglu = module.bf16_qkv = False
+        torch_ops = full_forward(model, ids)
+    hook.remove()
+    assert seen == [torch.bfloat16, torch.float32, torch.float32]
+    assert torch.equal(narrow, wide)
+    torch.testing.assert_close(narrow, torch_ops, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "awq"])

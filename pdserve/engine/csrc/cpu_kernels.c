@@ -13,14 +13,28 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_vec.h"
+
+static inline float bf16_to_f32(uint16_t h);
+static inline uint16_t f32_to_bf16(float f);
+
 /* h = x (+ residual); residual_out = h; out = h / rms(h) * w, row by row.
- * residual may be NULL (first layer: no residual yet); residual_out may alias residual. */
-void rms_norm_f32(const float *x, const float *residual, float *residual_out, const float *w, float *out,
-                  int64_t rows, int64_t dim, float eps) {
+ * residual may be NULL (first layer: no residual yet); residual_out may alias residual.
+ * x_bf16: x holds bfloat16 (a bf16 model's projection product, widened exactly as it is read);
+ * out_bf16: out is bfloat16 (for a bf16 model's next projection, rounded as torch rounds). Either
+ * way the same values as the float32 kernel with torch's casts around it, without the casts. */
+void rms_norm_f32(const void *x, const float *residual, float *residual_out, const float *w, void *out,
+                  int64_t rows, int64_t dim, float eps, int64_t x_bf16, int64_t out_bf16) {
 #pragma omp parallel for schedule(static) if (rows > 16)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * dim;
-        float *outr = out + r * dim;
+        float xw[x_bf16 ? dim : 1], ow[out_bf16 ? dim : 1];
+        const float *xr = (const float *)x + r * dim;
+        if (x_bf16) {
+            const uint16_t *xb = (const uint16_t *)x + r * dim;
+            for (int64_t d = 0; d < dim; d++) xw[d] = bf16_to_f32(xb[d]);
+            xr = xw;
+        }
+        float *outr = out_bf16 ? ow : (float *)out + r * dim;
         float *hr = residual_out ? residual_out + r * dim : outr;
         float ss = 0.0f;
         if (residual) {
@@ -41,41 +55,21 @@ void rms_norm_f32(const float *x, const float *residual, float *residual_out, co
         const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
 #pragma omp simd
         for (int64_t d = 0; d < dim; d++) outr[d] = hr[d] * inv * w[d];
+        if (out_bf16) {
+            uint16_t *ob = (uint16_t *)out + r * dim;
+            for (int64_t d = 0; d < dim; d++) ob[d] = f32_to_bf16(ow[d]);
+        }
     }
 }
 
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]: SwiGLU over a fused [rows, 2n] projection.
- * With AVX-512, 16 lanes at a time through exp_neg16 and a reciprocal refined once (glibc's vector
+ * With AVX-512, 16 lanes at a time through vec_exp16 and a reciprocal refined once (glibc's vector
  * expf and a division took 0.87 ms for 2,048 x 1,536 outputs on 2 AMX Xeon cores, ~8% of a bf16
  * model's prefill step); the tail, and other processors, as written. */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-/* exp(-x) for 16 lanes: 2^k e^r with k = round(-x log2 e) and r = -x - k ln 2 (ln 2 split in two),
- * e^r by its Taylor polynomial to r^7 (|r| <= ln 2 / 2: relative error ~1e-8, below float32's ulp),
- * scaled by 2^k in one vscalefps. -x is clamped to [-104, 88.7]: e^-x stays finite and the
- * reciprocal below never meets an infinity (a NaN x stays NaN: min and max hand back their second
- * operand when it is NaN). */
-static inline __m512 exp_neg16(__m512 x) {
-    __m512 t = _mm512_sub_ps(_mm512_setzero_ps(), x);
-    t = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(88.7f), t));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), t);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, k);
-}
-
+#if VEC_W == 16
 /* g / (1 + e^-g) * u for 16 lanes: the reciprocal from vrcp14ps (14 bits) and one Newton step */
 static inline __m512 silu_mul16(__m512 g, __m512 u) {
-    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_neg16(g));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), vec_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
     __m512 y = _mm512_rcp14_ps(d);
     y = _mm512_mul_ps(y, _mm512_fnmadd_ps(d, y, _mm512_set1_ps(2.0f)));
     return _mm512_mul_ps(_mm512_mul_ps(g, y), u);
@@ -84,7 +78,7 @@ static inline __m512 silu_mul16(__m512 g, __m512 u) {
 
 static inline void silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
     int64_t i = 0;
-#if defined(__AVX512F__)
+#if VEC_W == 16
     for (; i + 16 <= n; i += 16)
         _mm512_storeu_ps(o + i, silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
 #endif
@@ -94,6 +88,58 @@ static inline void silu_mul_row(const float *g, const float *u, float *o, int64_
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t n) {
 #pragma omp parallel for schedule(static) if (rows > 16)
     for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up + r * 2 * n, gate_up + r * 2 * n + n, out + r * n, n);
+}
+
+#if VEC_W == 16
+/* 16 lanes of float32 -> bfloat16 as f32_to_bf16 rounds them (NaN to 0x7fc0) */
+static inline __m256i bf16_round16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+static inline __m512 bf16_widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+/* The fused qkv projection [T, heads, D] (float32, or bfloat16 when in_bf16: a bf16 model's oneDNN
+ * product) into float32 `out`, its first rot_heads heads (the queries' and the keys') rotated by
+ * RoPE on interleaved pairs: (x0, x1) -> (x0 c - x1 s, x0 s + x1 c), with (c, s) = rot[t][i] for
+ * pair i (model.apply_rope's complex product, in one pass: torch took a copy of the strided q and
+ * k, a complex multiply and, for a bf16 product, a widening copy of the whole projection). */
+void rope_qkv_f32(const void *qkv, int64_t in_bf16, const float *rot, float *out, int64_t T, int64_t rot_heads,
+                  int64_t heads, int64_t D) {
+#pragma omp parallel for schedule(static) if (T > 16)
+    for (int64_t t = 0; t < T; t++) {
+        const float *rt = rot + t * D; /* D / 2 pairs (c, s) */
+        float row[heads * D];
+        const float *src = (const float *)qkv + t * heads * D;
+        if (in_bf16) {
+            const uint16_t *b = (const uint16_t *)qkv + t * heads * D;
+#pragma omp simd
+            for (int64_t i = 0; i < heads * D; i++) {
+                const uint32_t u = (uint32_t)b[i] << 16;
+                memcpy(&row[i], &u, sizeof u);
+            }
+            src = row;
+        }
+        float *dst = out + t * heads * D;
+        for (int64_t h = 0; h < rot_heads; h++) {
+            const float *x = src + h * D;
+            float *y = dst + h * D;
+#pragma omp simd
+            for (int64_t i = 0; i < D / 2; i++) {
+                const float x0 = x[2 * i], x1 = x[2 * i + 1], c = rt[2 * i], sn = rt[2 * i + 1];
+                y[2 * i] = x0 * c - x1 * sn;
+                y[2 * i + 1] = x0 * sn + x1 * c;
+            }
+        }
+        memcpy(dst + rot_heads * D, src + rot_heads * D, sizeof(float) * (heads - rot_heads) * D);
+    }
 }
 
 /* Store the step's keys and values: token t goes to block blocks[t], slot offsets[t].
@@ -155,27 +201,12 @@ static inline float bf16_to_f32(uint16_t h) {
  * rounded as torch rounds, so it equals silu_mul_f32 of the widened product cast to bfloat16, bit for
  * bit, without the two float32 tensors between (on 2 AMX Xeon cores, 12 ms of a 512-token prefill's
  * ~210 ms went to those casts). */
-#if defined(__AVX512F__)
-/* 16 lanes of float32 -> bfloat16 as f32_to_bf16 rounds them (NaN to 0x7fc0) */
-static inline __m256i bf16_round16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);
-}
-static inline __m512 bf16_widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-#endif
 
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t n) {
 #pragma omp parallel for schedule(static) if (rows > 16)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *src = gate_up + r * 2 * n;
-#if defined(__AVX512F__)
+#if VEC_W == 16
         if (n % 16 == 0) { /* widened, multiplied and rounded 16 lanes at a time, as below */
             for (int64_t i = 0; i < n; i += 16)
                 _mm256_storeu_si256((__m256i *)(out + r * n + i),
@@ -198,7 +229,6 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
  * this way against 29 with one row of w at a time and no prefetch, and 32 through oneDNN (padded
  * to 16 rows, its smallest bucket: model.Linear.padded_rows). One row (single-request decode)
  * goes this way too: 16 ms, bfloat16 weights 10 ms, where a gemv of its own took 16 and 14.5. */
-#include "cpu_vec.h"
 #define GW VEC_W
 typedef vecf gvec;
 #define GEMM_PREFETCH_TILES 2

@@ -40,4 +40,28 @@ static inline vecf vecf_load_bf16(const uint16_t *p) {
     return out;
 #endif
 }
+
+#if VEC_W == 16
+/* e^x for 16 lanes: 2^k e^r with k = round(x log2 e) and r = x - k ln 2 (ln 2 split in two), e^r by
+ * its Taylor polynomial to r^7 (|r| <= ln 2 / 2: relative error ~1e-8, below float32's ulp), scaled
+ * by 2^k in one vscalefps; x clamped to [-104, 88.7], so the answer stays finite (a NaN x stays NaN:
+ * min and max hand back their second operand when it is NaN). In glibc's vector expf's place in
+ * SwiGLU (cpu_kernels.c) and the attention's softmax (cpu_attention.c). */
+static inline __m512 vec_exp16(__m512 x) {
+    const __m512 t = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(88.7f), x));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), t);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+#endif
 #endif
