@@ -98,6 +98,7 @@ PREFILL_CASES = [  # heads, kv_heads, head_dim, block_size, context_len, query_l
     (4, 1, 256, 16, 0, 70, 0),  # Gemma 3 270M's shape
     (4, 1, 256, 16, 40, 90, 32),  # its sliding-window layers
     (4, 1, 256, 16, 0, 100, 16),
+    (9, 3, 64, 16, 200, 56, 181),  # a window whose first block is not a softmax step's: steps end past the keys
     (8, 8, 128, 16, 20, 33, 0),  # no grouping
     (32, 4, 128, 16, 5, 20, 0),  # groups of 8, the most the kernel takes
 ]
@@ -187,7 +188,8 @@ def test_the_amx_products_equal_the_bf16_dot_products(tmp_path):
     """On AMX tiles a bf16 model's prefill attention multiplies the same bfloat16 pairs as with
     vdpbf16ps; only the order of the float32 sums differs, which moves a score by an ulp and, now
     and then, a probability across a bfloat16 rounding step (both sides also stay close to float32:
-    the cases above). The vdpbf16ps side runs in a child process with PDSERVE_AMX_OFF=1."""
+    the cases above, where the two are equally far from it). The vdpbf16ps side runs in a child
+    process with PDSERVE_AMX_OFF=1."""
     script = '''
 import sys, torch
 from pdserve.engine.attention import CpuPagedAttention, PrefillChunk
@@ -219,7 +221,7 @@ torch.save({"products": load_kernels().paged_prefill_bf16_products(), "outs": ou
         assert torch.isfinite(a).all()
         diff = (a - b).abs()
         print(f"max {diff.max():.2e} mean {diff.mean():.2e} differing {(diff > 1e-5).float().mean():.2%}")
-        assert diff.max() < 2e-3 and diff.mean() < 1e-5
+        assert diff.max() < 2e-3 and diff.mean() < 5e-5  # (a flip moves an output by ~2^-9 p v: long rows flip more)
 
 
 def test_prefill_through_sdpa_in_bfloat16_stays_close():

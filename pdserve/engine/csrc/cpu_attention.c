@@ -114,19 +114,21 @@ typedef struct {
     uint32_t *k; /* [MAX_D / 2][KC]: key j's dims (2i, 2i + 1) at [i][j] */
     uint32_t *v; /* [KC / 2][MAX_D]: keys (2i, 2i + 1)'s values of dim d at [i][d] */
     uint32_t *p; /* [ROWS][KC / 2]: row r's probabilities of keys (2i, 2i + 1) */
-    int amx;     /* the products on AMX tiles (amx_products below), this thread's tiles configured */
+    int amx;     /* the products on AMX tiles (amx_products below), this thread's tiles configured; then: */
+    const uint32_t *pk, *pv; /* the call's keys and values as pairs, every KV head's (pack_kv_pairs) */
+    int64_t head_u32;        /* one KV head's share of each */
 } pairs_t;
 #define PAIRS_U32 (ROWS * MAX_D / 2 + MAX_D / 2 * KC + KC / 2 * MAX_D + ROWS * KC / 2)
 
 /* The same two products on AMX tiles (processors with amx_tile and amx_bf16, built with -mamx-tile
  * -mamx-bf16): one tdpbf16ps multiplies a 16 x 32 bfloat16 tile by a 32 x 16 one into 16 x 16
- * float32, 16 times the work of a vdpbf16ps. The pair scratch above is already the tiles' layout:
- * the queries and probabilities are A (a row's pairs in a row), the keys and values B (a pair
- * of rows interleaved, as AMX's VNNI layout has them). Rows are taken 16 at a time: the rows past a
- * task's last (up to the next 16) compute from stale scratch and are never read; the value pairs
- * past the step's last key are zeroed, since their probabilities are zero and 0 x a stale NaN is
- * not. Tiles: 0-3 the 2 x 2 accumulators, 4-5 A, 6-7 B, each 16 rows of 64 bytes. Linux lends a
- * process the tiles' state only on request (amx_products). */
+ * float32, 16 times the work of a vdpbf16ps. The queries and probabilities are A, from the pair
+ * scratch above (a row's pairs in a row); the keys and values B, in AMX's VNNI layout (a pair of
+ * rows interleaved), rounded once per call for every task (pack_kv_pairs: with the products on
+ * tiles, each task rounding the keys it reads was most of its time). Rows are taken 16 at a time:
+ * the rows past a task's last (up to the next 16) compute from stale scratch and are never read.
+ * Tiles: 0-3 the 2 x 2 accumulators, 4-5 A, 6-7 B, each 16 rows of 64 bytes. Linux lends a process
+ * the tiles' state only on request (amx_products). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -162,9 +164,10 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* s[r][j] for rows (padded to 16) by ncols x 16 keys: the queries' pairs (A) by the keys' (B) */
-static void scores_amx(float *s, const pairs_t *bf, int64_t ncols, int64_t rows, int64_t D) {
-    const int64_t rows16 = (rows + 15) / 16 * 16, qs = MAX_D / 2 * 4, ks = KC * 4, ss = KC * 4;
+/* s[r][j] for rows (padded to 16) by ncols x 16 keys: the queries' pairs (A) by the keys' (B, kp:
+ * the step's first key in pack_kv_pairs' layout) */
+static void scores_amx(float *s, const pairs_t *bf, const uint32_t *kp, int64_t ncols, int64_t rows, int64_t D) {
+    const int64_t rows16 = (rows + 15) / 16 * 16, qs = MAX_D / 2 * 4, ks = 64, ss = KC * 4;
     for (int64_t r0 = 0; r0 < rows16; r0 += 32) {
         const int two_r = r0 + 16 < rows16;
         for (int64_t u = 0; u < ncols; u += 2) {
@@ -175,10 +178,10 @@ static void scores_amx(float *s, const pairs_t *bf, int64_t ncols, int64_t rows,
             _tile_zero(3);
             for (int64_t kb = 0; kb < D / 32; kb++) {
                 _tile_loadd(4, bf->q + r0 * (MAX_D / 2) + kb * 16, qs);
-                _tile_loadd(6, bf->k + kb * 16 * KC + u * 16, ks);
+                _tile_loadd(6, kp + (u * (D / 2) + kb * 16) * 16, ks);
                 _tile_dpbf16ps(0, 4, 6);
                 if (two_u) {
-                    _tile_loadd(7, bf->k + kb * 16 * KC + (u + 1) * 16, ks);
+                    _tile_loadd(7, kp + ((u + 1) * (D / 2) + kb * 16) * 16, ks);
                     _tile_dpbf16ps(1, 4, 7);
                 }
                 if (two_r) {
@@ -197,12 +200,12 @@ static void scores_amx(float *s, const pairs_t *bf, int64_t ncols, int64_t rows,
     }
 }
 
-/* o[r][0 .. D) += the probabilities' pairs (A) by the values' (B), over pairs (rounded up to 16:
- * the value pairs past `pairs` zeroed first) */
-static void values_amx(float *o, const pairs_t *bf, int64_t pairs, int64_t rows, int64_t D) {
+/* o[r][0 .. D) += the probabilities' pairs (A) by the values' (B, vp: the step's first pair in
+ * pack_kv_pairs' layout), over pairs rounded up to 16 (the values past the step's are the next
+ * keys' or zeros, their probabilities zero) */
+static void values_amx(float *o, const pairs_t *bf, const uint32_t *vp, int64_t pairs, int64_t rows, int64_t D) {
     const int64_t rows16 = (rows + 15) / 16 * 16, pairs16 = (pairs + 15) / 16 * 16;
-    const int64_t ps = KC / 2 * 4, vs = MAX_D * 4, os = D * 4;
-    for (int64_t jp = pairs; jp < pairs16; jp++) memset(bf->v + jp * MAX_D, 0, sizeof(uint32_t) * D);
+    const int64_t ps = KC / 2 * 4, vs = D * 4, os = D * 4;
     for (int64_t r0 = 0; r0 < rows16; r0 += 32) {
         const int two_r = r0 + 16 < rows16;
         for (int64_t c = 0; c < D; c += 32) {
@@ -214,8 +217,8 @@ static void values_amx(float *o, const pairs_t *bf, int64_t pairs, int64_t rows,
             }
             for (int64_t kb = 0; kb < pairs16 / 16; kb++) {
                 _tile_loadd(4, bf->p + r0 * (KC / 2) + kb * 16, ps);
-                _tile_loadd(6, bf->v + kb * 16 * MAX_D + c, vs);
-                _tile_loadd(7, bf->v + kb * 16 * MAX_D + c + 16, vs);
+                _tile_loadd(6, vp + kb * 16 * D + c, vs);
+                _tile_loadd(7, vp + kb * 16 * D + c + 16, vs);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(1, 4, 7);
                 if (two_r) {
@@ -281,17 +284,17 @@ static inline __attribute__((always_inline)) void score_tile_bf16(float *s, cons
 
 /* s[r][j] for the step's keys (col: as attend_keys has them), through the pair scratch */
 static void scores_bf16(float *s, const pairs_t *bf, const char *const *col, int64_t ncols, int64_t rows,
-                        int64_t D, int64_t BS, const int kvb) {
+                        int64_t D, int64_t BS, const int kvb, int64_t k0, int64_t h) {
+#if AMX_PRODUCTS
+    if (bf->amx) {
+        scores_amx(s, bf, bf->pk + h * bf->head_u32 + k0 * (D / 2), ncols, rows, D);
+        return;
+    }
+#endif
     for (int64_t u = 0; u < ncols; u++)
         for (int64_t dp = 0; dp < D / 2; dp++)
             _mm512_storeu_si512(bf->k + dp * KC + u * 16, pair_lanes_kv(kv_at(col[u], 2 * dp * BS, kvb),
                                                                          kv_at(col[u], (2 * dp + 1) * BS, kvb), kvb));
-#if AMX_PRODUCTS
-    if (bf->amx) {
-        scores_amx(s, bf, ncols, rows, D);
-        return;
-    }
-#endif
     for (int64_t u0 = 0; u0 < ncols; u0 += NV) {
         const int64_t nv = ncols - u0 < NV ? ncols - u0 : NV;
         for (int64_t r0 = 0; r0 < rows; r0 += MRS) {
@@ -326,8 +329,15 @@ static inline __attribute__((always_inline)) void pv_tile_bf16(float *o, const u
 /* o[r] += sum_j s[r][j] value(k0 + j) through the pair scratch (an odd last key pairs with zeros:
  * the slot after it may be unwritten) */
 static void values_bf16(float *o, const float *s, const pairs_t *bf, const char *const *vblk, int64_t kn,
-                        int64_t rows, int64_t D, int64_t BS, const int kvb) {
+                        int64_t rows, int64_t D, int64_t BS, const int kvb, int64_t k0, int64_t h) {
     const int64_t pairs = (kn + 1) / 2;
+#if AMX_PRODUCTS
+    if (bf->amx) {
+        for (int64_t r = 0; r < rows; r++) adjacent_pairs(bf->p + r * (KC / 2), s + r * KC, KC);
+        values_amx(o, bf, bf->pv + h * bf->head_u32 + k0 / 2 * D, pairs, rows, D);
+        return;
+    }
+#endif
     for (int64_t jp = 0; jp < pairs; jp++) {
         const int64_t j = 2 * jp;
         const char *a = kv_at(vblk[j / BS], (j % BS) * D, kvb);
@@ -336,12 +346,6 @@ static void values_bf16(float *o, const float *s, const pairs_t *bf, const char 
             _mm512_storeu_si512(bf->v + jp * MAX_D + c, pair_lanes_kv(kv_at(a, c, kvb), kv_at(b, c, kvb), kvb));
     }
     for (int64_t r = 0; r < rows; r++) adjacent_pairs(bf->p + r * (KC / 2), s + r * KC, KC);
-#if AMX_PRODUCTS
-    if (bf->amx) {
-        values_amx(o, bf, pairs, rows, D);
-        return;
-    }
-#endif
     for (int64_t r0 = 0; r0 < rows; r0 += MR) {
         const int64_t mr = rows - r0 < MR ? rows - r0 : MR;
         for (int64_t c = 0; c < D; c += 64) {
@@ -353,6 +357,44 @@ static void values_bf16(float *o, const float *s, const pairs_t *bf, const char 
     }
 }
 
+
+#if AMX_PRODUCTS
+/* The call's keys and values, every KV head's, as the AMX products read them (B tiles): keys as
+ * [key / 16][D / 2][16] (the dims (2i, 2i + 1) of 16 keys in a row), values as [key / 2][D] (keys
+ * (2j, 2j + 1)'s values of dim d), a head's share head_u32 apart, up to nkeys_kc keys (a multiple of
+ * 16 that a step's tiles never read past). Values past the last key are zeros (their probabilities
+ * are zero, and 0 x a stale NaN is not); keys past it are whatever the cache block holds (their
+ * scores are masked). Shared by the team: an omp for over KV heads and 16 keys. */
+static void pack_kv_pairs(uint32_t *pk, uint32_t *pv, int64_t head_u32, int64_t nkeys, int64_t nkeys_kc,
+                          const void *k, const void *v, const int64_t *blocks, int64_t KVH, int64_t D, int64_t BS,
+                          const int kvb) {
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t h = 0; h < KVH; h++)
+        for (int64_t u = 0; u < nkeys_kc / 16; u++) {
+            const int64_t key = u * 16;
+            uint32_t *ku = pk + h * head_u32 + key * (D / 2), *vu = pv + h * head_u32 + key / 2 * D;
+            if (key >= nkeys) {
+                memset(ku, 0, sizeof(uint32_t) * 16 * (D / 2));
+                memset(vu, 0, sizeof(uint32_t) * 8 * D);
+                continue;
+            }
+            const char *col = kv_at(k, (blocks[key / BS] * KVH + h) * D * BS + key % BS, kvb); /* (one block) */
+            for (int64_t dp = 0; dp < D / 2; dp++)
+                _mm512_storeu_si512(ku + dp * 16, pair_lanes_kv(kv_at(col, 2 * dp * BS, kvb),
+                                                                kv_at(col, (2 * dp + 1) * BS, kvb), kvb));
+            for (int64_t jp = 0; jp < 8; jp++) {
+                const int64_t j = key + 2 * jp;
+                const char *a = j < nkeys ? kv_at(v, (blocks[j / BS] * KVH + h) * BS * D + (j % BS) * D, kvb)
+                                          : (const char *)zeros;
+                const char *b = j + 1 < nkeys
+                                    ? kv_at(v, (blocks[(j + 1) / BS] * KVH + h) * BS * D + ((j + 1) % BS) * D, kvb)
+                                    : (const char *)zeros;
+                for (int64_t c = 0; c < D; c += 16)
+                    _mm512_storeu_si512(vu + jp * D + c, pair_lanes_kv(kv_at(a, c, kvb), kv_at(b, c, kvb), kvb));
+            }
+        }
+}
+#endif
 #else
 #define BF16_PRODUCTS 0
 #define AMX_PRODUCTS 0
@@ -429,7 +471,7 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
     }
 #if BF16_PRODUCTS
     if (bf != NULL)
-        scores_bf16(s, bf, col, ncols, rows, D, BS, kvb);
+        scores_bf16(s, bf, col, ncols, rows, D, BS, kvb, k0, h);
     else
 #endif
     if (kvb)
@@ -489,7 +531,7 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
     for (int64_t j0 = 0; j0 < kn; j0 += BS) vblk[j0 / BS] = kv_at(v, (blocks[(k0 + j0) / BS - b0] * KVH + h) * BS * D, kvb);
 #if BF16_PRODUCTS
     if (bf != NULL) {
-        values_bf16(o, s, bf, vblk, kn, rows, D, BS, kvb);
+        values_bf16(o, s, bf, vblk, kn, rows, D, BS, kvb, k0, h);
         return;
     }
 #endif
@@ -648,9 +690,25 @@ int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_
                        int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                        int64_t q_stride, int64_t out_stride, float scale, int64_t bf16_products, int64_t kv_bf16) {
     const int bf16 = BF16_PRODUCTS && bf16_products;
-    /* positions per task: PB, or on AMX tiles as many as the rows take (each task rounds every key
-     * and value it reads into pairs once: with the products on tiles, that is most of its time) */
-    const int64_t ppt = bf16 && AMX_PRODUCTS && amx_products() ? ROWS / (H / KVH) : PB;
+    /* on AMX tiles: the keys and values as pairs, once for the call (pack_kv_pairs), and tasks of as
+     * many positions as the rows take (fewer tasks: each rounds its queries and probabilities) */
+    uint32_t *pk = NULL, *pv = NULL;
+    /* (a step's tiles read up to KC keys past its first, which a windowed task's steps start at a
+     * block, not a multiple of KC: room for KC more keys) */
+    const int64_t nkeys = ctx + n, nkeys_kc = (nkeys + KC - 1) / KC * KC + KC, head_u32 = nkeys_kc * D / 2;
+#if AMX_PRODUCTS
+    if (bf16 && amx_products()) {
+        pk = aligned_alloc(64, sizeof(uint32_t) * KVH * head_u32);
+        pv = aligned_alloc(64, sizeof(uint32_t) * KVH * head_u32);
+        if (pk == NULL || pv == NULL) { /* (then the vdpbf16ps products) */
+            free(pk);
+            free(pv);
+            pk = pv = NULL;
+        }
+    }
+#endif
+    const int amx = pk != NULL;
+    const int64_t ppt = amx ? ROWS / (H / KVH) : PB;
     const int64_t pblocks = (n + ppt - 1) / ppt; /* tasks run last positions first: the most keys, so the
                                                    * dynamic schedule ends balanced */
     const int64_t tasks = pblocks * KVH;
@@ -661,9 +719,13 @@ int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_
         float *qs = alloc_scratch(&pairs);
         failed = qs == NULL;
 #if AMX_PRODUCTS
-        if (bf != NULL && amx_products()) { /* the tiles' shapes, on each thread (oneDNN loads its own) */
+        if (amx) { /* the tiles' shapes, on each thread (oneDNN loads its own) */
+            pack_kv_pairs(pk, pv, head_u32, nkeys, nkeys_kc, k, v, blocks, KVH, D, BS, kv_bf16 != 0);
             amx_configure();
             pairs.amx = 1;
+            pairs.pk = pk;
+            pairs.pv = pv;
+            pairs.head_u32 = head_u32;
         }
 #endif
 #pragma omp for schedule(dynamic, 1)
@@ -673,8 +735,10 @@ int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_
                                          kv_bf16 != 0);
         }
 #if AMX_PRODUCTS
-        if (bf != NULL && pairs.amx) _tile_release();
+        if (amx) _tile_release();
 #endif
     }
+    free(pk);
+    free(pv);
     return failed ? -1 : 0;
 }
