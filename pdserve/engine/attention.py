@@ -22,6 +22,7 @@ import dataclasses
 import importlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -302,7 +303,9 @@ class CpuPagedAttention(TorchPagedAttention):
             return min(seconds, key=seconds.get), "a 512-token chunk, ms: " + ", ".join(
                 f"{name} {s * 1e3:.2f}" for name, s in seconds.items())
 
-        key = machine_key(f"{threads} threads", (self.num_heads, self.num_kv_heads, self.head_dim, block_size))
+        # the kernels' build (their sources' hash) too: a choice measured against another kernel is measured anew
+        build = Path(self.kernels._name).stem if self.kernels is not None else "no kernels"
+        key = machine_key(f"{threads} threads", (self.num_heads, self.num_kv_heads, self.head_dim, block_size), build)
         self.prefill_products = kept("a bf16 model's prefill products", key, timed)
         return self.prefill_products
 
