@@ -23,8 +23,9 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_gguf.c",
-                                                                   "cpu_qdot.c")]
-HEADERS = [Path(__file__).parent / "csrc" / "cpu_vec.h"]  # included by the sources: part of the build's key
+                                                                   "cpu_qdot.c", "cpu_amx.c")]
+# included by the sources: part of the build's key
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_vec.h", "cpu_amx.h")]
 
 
 GGUF_KERNEL_TYPES = ("q8_0", "q4_0", "q4_1")  # GGML types cpu_gguf.c multiplies from their blocks
@@ -108,12 +109,15 @@ def load_kernels() -> ctypes.CDLL | None:
         "qdot_gemm_q4": [ptr] * 3 + [i64] * 4,
         "qdot_gemm_q8": [ptr] * 3 + [i64] * 4,
         "qdot_available": [],
+        "amx_gemm_available": [],
+        "amx_pack_bf16": [ptr, ptr, i64, i64],
+        "amx_gemm_bf16": [ptr, i64, ptr, ptr, i64, i64, i64, i64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     for name in ("paged_decode_f32", "paged_prefill_f32", "paged_attention_f32_fits", "paged_prefill_bf16_products",
-                 "qdot_available", "qdot_gemm_q4", "qdot_gemm_q8"):
+                 "qdot_available", "qdot_gemm_q4", "qdot_gemm_q8", "amx_gemm_available", "amx_gemm_bf16"):
         getattr(lib, name).restype = ctypes.c_int
     return lib
 
@@ -209,6 +213,33 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     kernel = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul_f32
     kernel(gate_up.data_ptr(), out.data_ptr(), rows, two_n // 2)
     return out
+
+
+AMX_ROWS = 64  # rows amx_gemm takes at most (csrc/cpu_amx.c)
+
+
+def amx_pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 ``[N, K]`` weight in AMX's tiles for ``amx_gemm`` (``amx_pack_bf16``), or None where
+    that cannot run (no AMX here, or N and K not multiples of 32)."""
+    n, k = weight.shape
+    if not lib.amx_gemm_available() or n % 32 or k % 32 or weight.dtype != torch.bfloat16:
+        return None
+    w = weight.contiguous()
+    packed = torch.empty(n * k, dtype=torch.bfloat16)
+    lib.amx_pack_bf16(w.data_ptr(), packed.data_ptr(), n, k)
+    return packed
+
+
+def amx_gemm(lib: ctypes.CDLL, packed: torch.Tensor, n: int, x: torch.Tensor,
+             out_dtype: torch.dtype) -> torch.Tensor | None:
+    """``x W^T`` on AMX tiles (W ``amx_pack``'s, ``n`` rows): ``x`` contiguous ``[M, K]`` float32 or
+    bfloat16, M at most ``AMX_ROWS``; the answer rounded to bfloat16 as oneDNN's is, in ``out_dtype``
+    (float32 or bfloat16). None where it does not run (then nothing was written)."""
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=out_dtype)
+    failed = lib.amx_gemm_bf16(x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(), out.data_ptr(),
+                               int(out_dtype == torch.bfloat16), m, n, k)
+    return None if failed else out
 
 
 def gemm_rows(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

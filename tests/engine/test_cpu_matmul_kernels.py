@@ -57,6 +57,7 @@ def test_bf16_weights_measure_their_own_threshold_and_the_model_sets_it(tmp_path
     """A bf16 model's projections (``BF16Linear``) are timed apart from float32 ones, under a key of
     their own (``onednn bf16``), and ``choose_few_rows`` gives every bf16 projection that answer."""
     from pdserve.engine.config import PRESETS
+    from pdserve.engine.cpu_kernels import AMX_ROWS
     from pdserve.engine.model import LlamaForCausalLM
     from pdserve.engine.quant import quantize_model
     from pdserve.engine.quant.formats import BF16Linear
@@ -69,13 +70,16 @@ def test_bf16_weights_measure_their_own_threshold_and_the_model_sets_it(tmp_path
     quantize_model(model, "bf16")
     model.prepare_for_cpu(1, "onednn")
     layer = [m for m in model.layers[0].modules() if isinstance(m, BF16Linear)]
-    assert layer and layer[0].path == "onednn bf16" and layer[0].few_rows == BF16Linear.FEW_ROWS
+    amx = layer[0].amx is not None  # (AMX tiles: they take the rows up to AMX_ROWS past the C kernel)
+    assert layer and layer[0].path.endswith("onednn bf16") and ("amx" in layer[0].path) == amx
+    assert layer[0].few_rows == BF16Linear.FEW_ROWS
     rows, seconds = cpu_measured.measure(layer)  # the C kernel against oneDNN, both in bfloat16 weights
     assert set(seconds) == set(cpu_measured.CANDIDATES) and all(c > 0 and p > 0 for c, p in seconds.values())
     monkeypatch.setattr(cpu_measured, "measure", lambda layer: (12, {12: (1.0, 2.0)}))
     model.choose_few_rows(1)
     assert {m.few_rows for m in model.modules() if isinstance(m, BF16Linear)} == {12}
-    assert all(m.onednn_rows == 13 for m in model.modules() if isinstance(m, BF16Linear))
+    first = (AMX_ROWS if amx else 12) + 1
+    assert all(m.onednn_rows == first for m in model.modules() if isinstance(m, BF16Linear))
     x = torch.randn(12, layer[0].in_features)
     assert torch.equal(layer[0](x), layer[0].c_rows(x))  # 12 rows now through the C kernel
 

@@ -16,7 +16,7 @@ from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.attention import PREFILL_PRODUCTS
 from pdserve.engine.cpu_kernels import load_kernels
 from pdserve.engine.loader import load_model
-from pdserve.engine.model import MLP, Attention, RMSNorm
+from pdserve.engine.model import MLP, Attention, RMSNorm, onednn_linear
 from pdserve.engine.quant import QuantLinear, quantize_model, weight_bytes
 from pdserve.engine.quant.awq import full_forward, search_scale
 from pdserve.engine.quant.formats import (
@@ -67,6 +67,35 @@ def test_bf16_linear_close_to_float_through_each_path(weight_and_input, rows):
     assert got.dtype == torch.float32 and got.shape == (rows, w.shape[0])
     assert rel_err(got, F.linear(x, layer.dequantize())) < (1e-5 if rows <= 4 else 0.02)
     assert rel_err(got, F.linear(x, w)) < 0.02
+
+
+def test_bf16_linear_on_amx_tiles_multiplies_as_onednn_does():
+    """Where the processor has AMX tiles, a bf16 layer's rows past the C kernels and up to AMX_ROWS
+    go through our tile kernel: the same bfloat16 products as oneDNN's, summed in float32 (in
+    another order) and rounded to bfloat16 as oneDNN's answer is, float32 or bfloat16 x in, float32
+    or bfloat16 out; more rows go to oneDNN."""
+    from pdserve.engine import cpu_kernels
+    from pdserve.engine.quant.formats import BF16Linear
+
+    gen = torch.Generator().manual_seed(7)
+    layer = BF16Linear(torch.randn(96, 160, generator=gen) * 0.05)
+    if layer.amx is None:
+        pytest.skip("no AMX tiles here (or the ISA is capped below them)")
+    assert "amx" in layer.path and layer.onednn_rows == cpu_kernels.AMX_ROWS + 1
+    for rows in (1, 3, 16, 17, 40, cpu_kernels.AMX_ROWS, cpu_kernels.AMX_ROWS + 1):
+        for x in (torch.randn(rows, 160, generator=gen), torch.randn(rows, 160, generator=gen).bfloat16()):
+            want = onednn_linear(x.bfloat16(), layer.packed, layer.padded_rows)
+            got = layer.many_rows(x)
+            assert got.dtype == x.dtype
+            torch.testing.assert_close(got.float(), want.float(), rtol=0.01, atol=1e-3)
+            widened = layer._amx(x, torch.float32)
+            if rows <= cpu_kernels.AMX_ROWS:
+                reference = (x.bfloat16().double() @ layer.qweight.double().T).float()
+                torch.testing.assert_close(widened, reference, rtol=2**-8, atol=1e-6)  # within bfloat16's step
+                assert torch.equal(layer._amx(x, torch.bfloat16), widened.bfloat16())
+                assert torch.equal(widened.bfloat16().float(), widened)
+            else:
+                assert widened is None  # (more rows than the tiles take)
 
 
 def test_bf16_swiglu_stays_in_bfloat16_and_equals_the_widened_path():

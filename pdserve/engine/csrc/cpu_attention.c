@@ -129,40 +129,10 @@ typedef struct {
  * the rows past a task's last (up to the next 16) compute from stale scratch and are never read.
  * Tiles: 0-3 the 2 x 2 accumulators, 4-5 A, 6-7 B, each 16 rows of 64 bytes. Linux lends a process
  * the tiles' state only on request (amx_products). */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx.h"
+#if AMX_BUILT
 #define AMX_PRODUCTS 1
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config_t;
-
-/* Whether this process may use the tiles (asked of the kernel once: ARCH_REQ_XCOMP_PERM for
- * XTILEDATA); PDSERVE_AMX_OFF=1 in the environment keeps the vdpbf16ps products (to compare). */
-static int amx_granted = -1;
-static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
-static void ask_for_amx(void) {
-    const char *off = getenv("PDSERVE_AMX_OFF");
-    amx_granted = (off == NULL || off[0] != '1') && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                                            18 /* XFEATURE_XTILEDATA */) == 0;
-}
-static int amx_products(void) {
-    pthread_once(&amx_once, ask_for_amx);
-    return amx_granted;
-}
-static void amx_configure(void) {
-    tile_config_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+static int amx_products(void) { return amx_granted(); }
 
 /* s[r][j] for rows (padded to 16) by ncols x 16 keys: the queries' pairs (A) by the keys' (B, kp:
  * the step's first key in pack_kv_pairs' layout) */

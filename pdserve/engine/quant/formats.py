@@ -325,7 +325,10 @@ class BF16Linear(QuantLinear):
     Norms, the softmax, the KV cache and the residual stream stay float32 (on those processors
     prefill attention's products run in bfloat16 too: ``model.bf16_matmuls``, ``CpuPagedAttention``).
     Where the C kernels stop is measured per machine, as for float32 (``cpu_measured``): on 2 AMX
-    Xeon cores 8 rows, against the 4 that a Zen 4 had given (``FEW_ROWS``, the default).
+    Xeon cores 8 rows, against the 4 that a Zen 4 had given (``FEW_ROWS``, the default). Where the
+    processor has AMX tiles, past the C kernels and up to ``cpu_kernels.AMX_ROWS`` rows the weight
+    packed into tiles once (``amx``) is multiplied by a kernel of ours that streams it at the memory's
+    rate (decode steps of 16-64 requests; oneDNN's AMX kernels read it ~1.5x slower there).
     """
 
     FEW_ROWS = 4
@@ -342,13 +345,16 @@ class BF16Linear(QuantLinear):
         self.register_buffer("qweight", weight.detach().to(torch.bfloat16).contiguous())
         self.kernels = None
         self.packed = None
+        self.amx = None  # the weight in AMX's tiles (cpu_kernels.amx_pack), where the processor has them
         self.few_rows = self.FEW_ROWS  # up to this many rows, the C kernels (the model sets it: cpu_measured)
         if weight.device.type == "cpu":
-            from pdserve.engine.cpu_kernels import load_kernels
+            from pdserve.engine.cpu_kernels import amx_pack, load_kernels
 
             self.kernels = load_kernels()
             if torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.qweight, None)
+            if self.kernels is not None:
+                self.amx = amx_pack(self.kernels, self.qweight)
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float()
@@ -366,7 +372,11 @@ class BF16Linear(QuantLinear):
         return cpu_kernels.gemm_rows(self.kernels, self.qweight, x)
 
     def many_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``x W^T`` in bfloat16 products (oneDNN's where the weight is packed), in ``x``'s dtype."""
+        """``x W^T`` in bfloat16 products (AMX tiles up to their rows, oneDNN's where the weight is packed),
+        in ``x``'s dtype."""
+        out = self._amx(x, x.dtype)
+        if out is not None:
+            return out
         xb = x.to(torch.bfloat16)
         if self.packed is not None:
             return onednn_linear(xb, self.packed, self.padded_rows).to(x.dtype)
@@ -378,12 +388,24 @@ class BF16Linear(QuantLinear):
         widens to float32."""
         if self.packed is None or x.shape[0] <= self.few_rows or self.input_scale is not None:
             return None
-        return onednn_linear(x.to(torch.bfloat16), self.packed, self.padded_rows)
+        out = self._amx(x, torch.bfloat16)
+        return out if out is not None else onednn_linear(x.to(torch.bfloat16), self.packed, self.padded_rows)
+
+    def _amx(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """``x W^T`` in ``dtype`` on AMX tiles, or None where they do not take ``x`` (no tiles here, more
+        than ``AMX_ROWS`` rows, a dtype or layout the kernel does not read)."""
+        from pdserve.engine.cpu_kernels import AMX_ROWS, amx_gemm
+
+        if (self.amx is None or x.dim() != 2 or x.shape[0] > AMX_ROWS or not x.is_contiguous()
+                or x.dtype not in (torch.float32, torch.bfloat16) or dtype not in (torch.float32, torch.bfloat16)):
+            return None
+        return amx_gemm(self.kernels, self.amx, self.out_features, x, dtype)
 
     @property
     def path(self) -> str:
         """What multiplies past ``few_rows`` rows."""
-        return "onednn bf16" if self.packed is not None else "torch bf16"
+        path = "onednn bf16" if self.packed is not None else "torch bf16"
+        return path if self.amx is None else f"amx bf16 to 64 rows, then {path}"
 
     @classmethod
     def padded_rows(cls, rows: int) -> int:
@@ -393,7 +415,11 @@ class BF16Linear(QuantLinear):
     @property
     def onednn_rows(self) -> int | None:
         """From how many rows oneDNN multiplies (the warm-up builds each count's kernel); None: never."""
-        return self.few_rows + 1 if self.packed is not None else None
+        from pdserve.engine.cpu_kernels import AMX_ROWS
+
+        if self.packed is None:
+            return None
+        return max(self.few_rows, AMX_ROWS if self.amx is not None else 0) + 1
 
 
 # ---- fp8 ----------------------------------------------------------------------------------
