@@ -122,22 +122,7 @@ int amx_gemm_bf16(const void *x, int64_t x_bf16, const uint16_t *w, void *y, int
             const int64_t n0 = nb * 32;
             for (int64_t r0 = 0; r0 < M16; r0 += 32) {
                 const int two = r0 + 16 < M16;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t kb = 0; kb < K / 32; kb++) {
-                    _tile_loadd(4, xs + r0 * K + kb * 32, K * 2);
-                    _tile_loadd(6, b0 + kb * 512, 64);
-                    _tile_loadd(7, b1 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (two) {
-                        _tile_loadd(5, xs + (r0 + 16) * K + kb * 32, K * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
+                amx_products_2x2(xs + r0 * K, xs + (r0 + 16) * K, K * 2, 64, b0, b1, 1024, K / 32, two, 1);
 #define PUT(tile, r, n)                                                                                  \
     do {                                                                                                 \
         _tile_stored(tile, t, 64);                                                                       \

@@ -137,29 +137,13 @@ static int amx_products(void) { return amx_granted(); }
 /* s[r][j] for rows (padded to 16) by ncols x 16 keys: the queries' pairs (A) by the keys' (B, kp:
  * the step's first key in pack_kv_pairs' layout) */
 static void scores_amx(float *s, const pairs_t *bf, const uint32_t *kp, int64_t ncols, int64_t rows, int64_t D) {
-    const int64_t rows16 = (rows + 15) / 16 * 16, qs = MAX_D / 2 * 4, ks = 64, ss = KC * 4;
+    const int64_t rows16 = (rows + 15) / 16 * 16, qs = MAX_D / 2 * 4, ss = KC * 4;
     for (int64_t r0 = 0; r0 < rows16; r0 += 32) {
         const int two_r = r0 + 16 < rows16;
         for (int64_t u = 0; u < ncols; u += 2) {
             const int two_u = u + 1 < ncols;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t kb = 0; kb < D / 32; kb++) {
-                _tile_loadd(4, bf->q + r0 * (MAX_D / 2) + kb * 16, qs);
-                _tile_loadd(6, kp + (u * (D / 2) + kb * 16) * 16, ks);
-                _tile_dpbf16ps(0, 4, 6);
-                if (two_u) {
-                    _tile_loadd(7, kp + ((u + 1) * (D / 2) + kb * 16) * 16, ks);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
-                if (two_r) {
-                    _tile_loadd(5, bf->q + (r0 + 16) * (MAX_D / 2) + kb * 16, qs);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two_u) _tile_dpbf16ps(3, 5, 7);
-                }
-            }
+            amx_products_2x2(bf->q + r0 * (MAX_D / 2), bf->q + (r0 + 16) * (MAX_D / 2), qs, 64, kp + u * (D / 2) * 16,
+                             kp + (u + 1) * (D / 2) * 16, 1024, D / 32, two_r, two_u);
             _tile_stored(0, s + r0 * KC + u * 16, ss);
             if (two_u) _tile_stored(1, s + r0 * KC + (u + 1) * 16, ss);
             if (two_r) {
