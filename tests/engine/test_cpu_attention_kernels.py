@@ -35,6 +35,17 @@ from pdserve.engine.cpu_kernels import load_kernels
 needs_kernels = pytest.mark.skipif(load_kernels() is None, reason="no C compiler here")
 
 
+def amx_tiles() -> bool:
+    """Whether the processor has AMX tiles and Linux lends them to this process (ARCH_REQ_XCOMP_PERM,
+    Linux 5.16 on): where it does not, the kernels built for them take their other paths."""
+    if not {"amx_tile", "amx_bf16"} <= set(cpu_flags()):
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+
+
 def reference(q, keys, values, context_len, window):
     """Dense attention of queries at context_len.. over every key, causal (and windowed)."""
     group = q.shape[1] // keys.shape[1]
@@ -177,13 +188,13 @@ def test_the_prefill_kernel_in_bfloat16_products_stays_close():
     isa = os.environ.get(ENV_ISA)
     if "avx512_bf16" in cpu_flags() and isa in (None, "avx512_bf16", "amx"):
         # 2: on AMX tiles, where the processor has them and the ISA is not capped below them
-        amx = {"amx_tile", "amx_bf16"} <= set(cpu_flags()) and isa != "avx512_bf16"
+        amx = amx_tiles() and isa != "avx512_bf16"
         assert load_kernels().paged_prefill_bf16_products() == (2 if amx else 1)
     check_prefill_cases("kernel_bf16")
 
 
 @needs_kernels
-@pytest.mark.skipif(not {"amx_tile", "amx_bf16"} <= set(cpu_flags()), reason="no AMX tiles on this processor")
+@pytest.mark.skipif(not amx_tiles(), reason="no AMX tiles on this processor (or Linux does not lend them)")
 def test_the_amx_products_equal_the_bf16_dot_products(tmp_path):
     """On AMX tiles a bf16 model's prefill attention multiplies the same bfloat16 pairs as with
     vdpbf16ps; only the order of the float32 sums differs, which moves a score by an ulp and, now
