@@ -122,6 +122,9 @@ class CpuPlan:
         paths = {"onednn": "float32 projections through oneDNN with packed weights",
                  "mkl": "float32 projections through MKL's SGEMM"}
         bf16 = "bfloat16 has dot products" if self.bf16_dot else "bfloat16 would be emulated (slow): keep float32"
+        if self.isa == "amx":
+            bf16 += (" and AMX tiles (a bf16 model's prefill attention and its projections of up to 64 rows, where "
+                     "Linux lends them; PDSERVE_AMX_OFF=1 keeps them off)")
         return (f"CPU ISA {self.isa}: {why}; {paths[self.linear_path]}, a few rows through the C kernels (how many: "
                 f"measured, cpu_measured); {bf16}")
 
