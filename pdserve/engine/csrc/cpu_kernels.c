@@ -82,7 +82,9 @@ static inline void silu_mul_row(const float *g, const float *u, float *o, int64_
     for (; i + 16 <= n; i += 16)
         _mm512_storeu_ps(o + i, silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
 #endif
-    for (; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    /* (e^-g capped at e^88: under -ffast-math the division may become a reciprocal and a Newton step,
+     * which turn g / inf into NaN; a finite divisor gives silu's ~0 for large negative g) */
+    for (; i < n; i++) o[i] = g[i] / (1.0f + expf(fminf(-g[i], 88.0f))) * u[i];
 }
 
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t n) {
