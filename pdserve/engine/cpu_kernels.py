@@ -90,6 +90,9 @@ def load_kernels() -> ctypes.CDLL | None:
                     return None
             os.replace(built, target)  # atomic: concurrent workers never load a half-written file
     lib = ctypes.CDLL(str(target))
+    from pdserve.engine.cpu_isa import active_isa
+
+    lib.isa = active_isa()  # what it was built for (the process's ISA may be set again later: CpuPlan.apply_env)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     f32 = ctypes.c_float
     signatures = {
