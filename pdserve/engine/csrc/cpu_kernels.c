@@ -15,9 +15,6 @@
 
 #include "cpu_vec.h"
 
-static inline float bf16_to_f32(uint16_t h);
-static inline uint16_t f32_to_bf16(float f);
-
 /* h = x (+ residual); residual_out = h; out = h / rms(h) * w, row by row.
  * residual may be NULL (first layer: no residual yet); residual_out may alias residual.
  * x_bf16: x holds bfloat16 (a bf16 model's projection product, widened exactly as it is read);
@@ -103,9 +100,6 @@ static inline __m256i bf16_round16(__m512 x) {
     r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
     return _mm512_cvtepi32_epi16(r);
 }
-static inline __m512 bf16_widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
 #endif
 
 /* The fused qkv projection [T, heads, D] (float32, or bfloat16 when in_bf16: a bf16 model's oneDNN
@@ -123,10 +117,7 @@ void rope_qkv_f32(const void *qkv, int64_t in_bf16, const float *rot, float *out
         if (in_bf16) {
             const uint16_t *b = (const uint16_t *)qkv + t * heads * D;
 #pragma omp simd
-            for (int64_t i = 0; i < heads * D; i++) {
-                const uint32_t u = (uint32_t)b[i] << 16;
-                memcpy(&row[i], &u, sizeof u);
-            }
+            for (int64_t i = 0; i < heads * D; i++) row[i] = bf16_to_f32(b[i]);
             src = row;
         }
         float *dst = out + t * heads * D;
@@ -161,14 +152,6 @@ void write_kv_f32(const float *k, const float *v, float *k_cache, float *v_cache
     }
 }
 
-/* float32 -> bfloat16, rounded to nearest even as torch rounds; NaN to a quiet NaN. In integers:
- * -ffast-math may drop a float comparison with NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* write_kv_f32 into a bfloat16 cache (--kv-cache-dtype bfloat16), each value rounded once. */
 void write_kv_bf16(const float *k, const float *v, uint16_t *k_cache, uint16_t *v_cache, const int64_t *blocks,
@@ -191,12 +174,6 @@ void write_kv_bf16(const float *k, const float *v, uint16_t *k_cache, uint16_t *
  * bfloat16 weights are the upper half of a float32: half the bytes of W to stream. */
 static inline float f32_to_f32(float v) { return v; }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* silu_mul_f32 on a bfloat16 [rows, 2n] product (oneDNN's, a bf16 model's gate_up), the result
  * rounded to bfloat16 for the down projection: each row widened, multiplied as silu_mul_f32 does and
@@ -212,7 +189,7 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
         if (n % 16 == 0) { /* widened, multiplied and rounded 16 lanes at a time, as below */
             for (int64_t i = 0; i < n; i += 16)
                 _mm256_storeu_si256((__m256i *)(out + r * n + i),
-                                    bf16_round16(silu_mul16(bf16_widen16(src + i), bf16_widen16(src + n + i))));
+                                    bf16_round16(silu_mul16(vecf_load_bf16(src + i), vecf_load_bf16(src + n + i))));
             continue;
         }
 #endif

@@ -16,6 +16,22 @@
 #include <immintrin.h>
 #endif
 
+/* float32 <-> bfloat16, one value: widening exactly (bfloat16 is a float32's upper half); rounding to
+ * nearest even as torch rounds, NaN to a quiet NaN (in integers: -ffast-math may drop a float
+ * comparison with NaN). Shared by cpu_kernels.c and cpu_amx.c. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* Through the vector type itself (aligned(4): unaligned access is allowed; gcc lets a vector alias
  * its element type): a memcpy of 32 bytes became two 16-byte halves through the stack with AVX2. */
 typedef float vecf __attribute__((vector_size(VEC_W * 4), aligned(4)));

@@ -404,8 +404,10 @@ class BF16Linear(QuantLinear):
     @property
     def path(self) -> str:
         """What multiplies past ``few_rows`` rows."""
+        from pdserve.engine.cpu_kernels import AMX_ROWS
+
         path = "onednn bf16" if self.packed is not None else "torch bf16"
-        return path if self.amx is None else f"amx bf16 to 64 rows, then {path}"
+        return path if self.amx is None else f"amx bf16 to {AMX_ROWS} rows, then {path}"
 
     @classmethod
     def padded_rows(cls, rows: int) -> int:
