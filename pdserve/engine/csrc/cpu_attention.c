@@ -239,12 +239,6 @@ static inline __attribute__((always_inline)) void score_tile_bf16(float *s, cons
 /* s[r][j] for the step's keys (col: as attend_keys has them), through the pair scratch */
 static void scores_bf16(float *s, const pairs_t *bf, const char *const *col, int64_t ncols, int64_t rows,
                         int64_t D, int64_t BS, const int kvb, int64_t k0, int64_t h) {
-#if AMX_PRODUCTS
-    if (bf->amx) {
-        scores_amx(s, bf, bf->pk + h * bf->head_u32 + k0 * (D / 2), ncols, rows, D);
-        return;
-    }
-#endif
     for (int64_t u = 0; u < ncols; u++)
         for (int64_t dp = 0; dp < D / 2; dp++)
             _mm512_storeu_si512(bf->k + dp * KC + u * 16, pair_lanes_kv(kv_at(col[u], 2 * dp * BS, kvb),
@@ -285,13 +279,6 @@ static inline __attribute__((always_inline)) void pv_tile_bf16(float *o, const u
 static void values_bf16(float *o, const float *s, const pairs_t *bf, const char *const *vblk, int64_t kn,
                         int64_t rows, int64_t D, int64_t BS, const int kvb, int64_t k0, int64_t h) {
     const int64_t pairs = (kn + 1) / 2;
-#if AMX_PRODUCTS
-    if (bf->amx) {
-        for (int64_t r = 0; r < rows; r++) adjacent_pairs(bf->p + r * (KC / 2), s + r * KC, KC);
-        values_amx(o, bf, bf->pv + h * bf->head_u32 + k0 / 2 * D, pairs, rows, D);
-        return;
-    }
-#endif
     for (int64_t jp = 0; jp < pairs; jp++) {
         const int64_t j = 2 * jp;
         const char *a = kv_at(vblk[j / BS], (j % BS) * D, kvb);
@@ -406,6 +393,61 @@ static inline __mmask16 lanes_within(int64_t j0, int64_t a, int64_t b) {
 }
 #endif
 
+#if AMX_PRODUCTS
+/* attend_keys's softmax step when the products run on AMX tiles: each row's probabilities go straight
+ * into the pair scratch values_amx reads (bf->p), rounded to bfloat16 as they are computed, rather than
+ * written as float32 and rounded into pairs in a second pass; e^x through vec_exp16_bf16 (its error a
+ * hundredth of that rounding); each row's rescale factor e^(m_old - m_new) 16 rows at a time rather than
+ * a scalar expf per row. Rows, ranges, m, l and o as attend_keys has them. */
+static void softmax_pairs_amx(const float *s, uint32_t *p, float *o, float *m, float *l, const int64_t *first,
+                              const int64_t *last, int64_t rows, int64_t k0, int64_t kn, int64_t D) {
+    float mx[ROWS + 16], c[ROWS + 16];
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t a = first[r] - k0 < 0 ? 0 : first[r] - k0, b = last[r] - k0 + 1 > kn ? kn : last[r] - k0 + 1;
+        __m512 vmx = _mm512_set1_ps(m[r]);
+        const float *sr = s + r * KC;
+        for (int64_t j0 = a & ~(int64_t)15; j0 < b; j0 += 16)
+            vmx = _mm512_mask_max_ps(vmx, lanes_within(j0, a, b), vmx, _mm512_loadu_ps(sr + j0));
+        mx[r] = _mm512_reduce_max_ps(vmx);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const __mmask16 in = lanes_within(r0, 0, rows);
+        const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(in, m + r0), _mm512_maskz_loadu_ps(in, mx + r0));
+        _mm512_storeu_ps(c + r0, vec_exp16_bf16(d));
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t a = first[r] - k0 < 0 ? 0 : first[r] - k0, b = last[r] - k0 + 1 > kn ? kn : last[r] - k0 + 1;
+        uint32_t *pr = p + r * (KC / 2);
+        if (a >= b) { /* (no keys of this row in the step: nothing changes but its probabilities, zeros) */
+            for (int64_t j = 0; j < KC / 2; j += 16) _mm512_storeu_si512(pr + j, _mm512_setzero_si512());
+            continue;
+        }
+        const float *sr = s + r * KC;
+        const __m512 vm = _mm512_set1_ps(mx[r]);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t j0 = 0; j0 < KC; j0 += 32) {
+            const __mmask16 w0 = lanes_within(j0, a, b), w1 = lanes_within(j0 + 16, a, b);
+            if (!(w0 | w1)) {
+                _mm512_storeu_si512(pr + j0 / 2, _mm512_setzero_si512());
+                continue;
+            }
+            /* (lanes outside [a, b) zero before the exp, so every value stays finite, and after it) */
+            const __m512 e0 = _mm512_maskz_mov_ps(w0, vec_exp16_bf16(_mm512_maskz_sub_ps(w0, _mm512_loadu_ps(sr + j0), vm)));
+            const __m512 e1 = w1 ? _mm512_maskz_mov_ps(w1, vec_exp16_bf16(_mm512_maskz_sub_ps(w1, _mm512_loadu_ps(sr + j0 + 16), vm)))
+                                 : _mm512_setzero_ps();
+            vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
+            _mm512_storeu_si512(pr + j0 / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        }
+        l[r] = l[r] * c[r] + _mm512_reduce_add_ps(vsum);
+        m[r] = mx[r];
+        if (c[r] != 1.0f) {
+            const __m512 vc = _mm512_set1_ps(c[r]);
+            for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(vc, _mm512_loadu_ps(o + r * D + d)));
+        }
+    }
+}
+#endif
+
 /* One step of an online softmax: rows of query heads of KV head h (queries scaled, in qs;
  * row r's running max m[r], sum l[r] and unnormalised output o[r]) over keys [k0, k0 + kn) of
  * the sequence, each row within its own range [first[r], last[r]]. blocks[key / BS - b0] holds
@@ -423,6 +465,14 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
         const int64_t key = k0 + u * VW;
         col[u] = kv_at(k, (blocks[key / BS - b0] * KVH + h) * D * BS + key % BS, kvb);
     }
+#if AMX_PRODUCTS
+    if (bf != NULL && bf->amx) {
+        scores_amx(s, bf, bf->pk + h * bf->head_u32 + k0 * (D / 2), ncols, rows, D);
+        softmax_pairs_amx(s, bf->p, o, m, l, first, last, rows, k0, kn, D);
+        values_amx(o, bf, bf->pv + h * bf->head_u32 + k0 / 2 * D, (kn + 1) / 2, rows, D);
+        return;
+    }
+#endif
 #if BF16_PRODUCTS
     if (bf != NULL)
         scores_bf16(s, bf, col, ncols, rows, D, BS, kvb, k0, h);
@@ -458,7 +508,10 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
                 _mm512_storeu_ps(sr + j0, _mm512_setzero_ps());
                 continue;
             }
-            const __m512 e = _mm512_maskz_mov_ps(within, vec_exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j0), vm)));
+            /* (bf16 products: the probabilities are rounded to bfloat16, vec_exp16_bf16 is enough; lanes
+             * outside [a, b) are zero before the exp, so every value stays finite) */
+            const __m512 x = _mm512_maskz_sub_ps(within, _mm512_loadu_ps(sr + j0), vm);
+            const __m512 e = _mm512_maskz_mov_ps(within, bf != NULL ? vec_exp16_bf16(x) : vec_exp16(x));
             _mm512_storeu_ps(sr + j0, e);
             vsum = _mm512_add_ps(vsum, e);
         }

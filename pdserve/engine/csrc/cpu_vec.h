@@ -79,5 +79,21 @@ static inline __m512 vec_exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, k);
 }
+
+/* e^x for x <= 0 where the answer is rounded to bfloat16 after (an attention's probabilities on AMX
+ * tiles): the same reduction, Taylor to r^4 only (relative error <= |r|^5 / 120 ~ 4e-5, a hundredth of
+ * bfloat16's rounding), no upper clamp (x <= 0); 4 fewer operations per vector than vec_exp16. */
+static inline __m512 vec_exp16_bf16(__m512 x) {
+    const __m512 t = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.6931471805599453f), t);
+    __m512 p = _mm512_set1_ps(1.0f / 24);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
 #endif
 #endif
