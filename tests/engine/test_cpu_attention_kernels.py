@@ -269,17 +269,20 @@ def test_the_kernels_read_a_bfloat16_cache_in_place():
 
 
 @needs_kernels
-def test_the_kv_write_rounds_into_a_bfloat16_cache_as_torch_does():
+@pytest.mark.parametrize("first_offset", [0, 8])
+def test_the_kv_write_rounds_into_a_bfloat16_cache_as_torch_does(first_offset):
     """write_kv_bf16: every key and value rounded to nearest even, as torch's own assignment (the
-    torch path's) rounds, infinities and NaN included; other slots untouched."""
+    torch path's) rounds, infinities and NaN included; other slots untouched. Tokens starting at a
+    block's first slot fill whole blocks 16 at a time (the kernel's gathered path), and starting
+    halfway, every 16 of them straddle two blocks (its token-by-token path)."""
     torch.manual_seed(0)
     kv_heads, head_dim, block_size, tokens = 3, 64, 16, 40
     fused = torch.randn(tokens, (3 + 2 * kv_heads) * head_dim) * 100
     fused[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1 + 2 ** -8])  # a tie, to even
     k = fused[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)  # rows apart, as the model's
     v = fused[:, kv_heads * head_dim: 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
-    blocks = torch.randperm(8)[:3].repeat_interleave(block_size)[:tokens]
-    offsets = torch.arange(tokens) % block_size
+    blocks = torch.randperm(8)[:4].repeat_interleave(block_size)[first_offset: first_offset + tokens]
+    offsets = (torch.arange(tokens) + first_offset) % block_size
     none = blocks[:0]
     meta = AttentionMetadata(slot_blocks=blocks, slot_offsets=offsets, num_decodes=0, decode_block_ids=none,
                              decode_block_req=none, decode_block_mask=torch.empty(0, block_size, dtype=torch.bool),

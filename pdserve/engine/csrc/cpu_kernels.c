@@ -153,19 +153,59 @@ void write_kv_f32(const float *k, const float *v, float *k_cache, float *v_cache
 }
 
 
-/* write_kv_f32 into a bfloat16 cache (--kv-cache-dtype bfloat16), each value rounded once. */
+/* a row of D float32 into bfloat16, as f32_to_bf16 rounds */
+static inline void round_row_bf16(uint16_t *dst, const float *src, int64_t D) {
+    int64_t d = 0;
+#if VEC_W == 16
+    for (; d + 16 <= D; d += 16) _mm256_storeu_si256((__m256i *)(dst + d), bf16_round16(_mm512_loadu_ps(src + d)));
+#endif
+    for (; d < D; d++) dst[d] = f32_to_bf16(src[d]);
+}
+
+static inline void write_kv_bf16_token(const float *k, const float *v, uint16_t *k_cache, uint16_t *v_cache,
+                                       const int64_t *blocks, const int64_t *offsets, int64_t t, int64_t KVH,
+                                       int64_t BS, int64_t D, int64_t k_stride, int64_t v_stride) {
+    for (int64_t h = 0; h < KVH; h++) {
+        const int64_t block = (blocks[t] * KVH + h) * BS * D;
+        const float *kt = k + t * k_stride + h * D, *vt = v + t * v_stride + h * D;
+        uint16_t *vc = v_cache + block + offsets[t] * D;
+        for (int64_t d = 0; d < D; d++) k_cache[block + d * BS + offsets[t]] = f32_to_bf16(kt[d]);
+        round_row_bf16(vc, vt, D);
+    }
+}
+
+/* write_kv_f32 into a bfloat16 cache (--kv-cache-dtype bfloat16), each value rounded once (as
+ * f32_to_bf16 rounds). With AVX-512, 16 tokens at a time where they fill 16 consecutive slots of one
+ * block (a prefill chunk's tokens, but at a block's edges): each key dimension of the 16 gathered,
+ * rounded and stored as one 32-byte row of the block's [D][BS] keys, the values 16 lanes at a time
+ * (before: a scalar rounding and a scattered 2-byte store per key element, 18-21 ms of a 2,048-token
+ * prefill's ~485 on 2 AMX Xeon cores). Other tokens one at a time. */
 void write_kv_bf16(const float *k, const float *v, uint16_t *k_cache, uint16_t *v_cache, const int64_t *blocks,
                    const int64_t *offsets, int64_t T, int64_t KVH, int64_t BS, int64_t D, int64_t k_stride,
                    int64_t v_stride) {
 #pragma omp parallel for schedule(static) if (T >= 16)
-    for (int64_t t = 0; t < T; t++) {
-        for (int64_t h = 0; h < KVH; h++) {
-            const int64_t block = (blocks[t] * KVH + h) * BS * D;
-            const float *kt = k + t * k_stride + h * D, *vt = v + t * v_stride + h * D;
-            uint16_t *vc = v_cache + block + offsets[t] * D;
-            for (int64_t d = 0; d < D; d++) k_cache[block + d * BS + offsets[t]] = f32_to_bf16(kt[d]);
-            for (int64_t d = 0; d < D; d++) vc[d] = f32_to_bf16(vt[d]);
+    for (int64_t g = 0; g < (T + 15) / 16; g++) {
+        const int64_t t0 = g * 16, t1 = t0 + 16 < T ? t0 + 16 : T;
+#if VEC_W == 16
+        int run = t1 - t0 == 16 && 16 * k_stride < INT32_MAX;
+        for (int64_t t = t0 + 1; run && t < t1; t++) run = blocks[t] == blocks[t0] && offsets[t] == offsets[t0] + (t - t0);
+        if (run) {
+            const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                    _mm512_set1_epi32((int)k_stride));
+            for (int64_t h = 0; h < KVH; h++) {
+                const int64_t block = (blocks[t0] * KVH + h) * BS * D;
+                const float *kt = k + t0 * k_stride + h * D;
+                for (int64_t d = 0; d < D; d++)
+                    _mm256_storeu_si256((__m256i *)(k_cache + block + d * BS + offsets[t0]),
+                                        bf16_round16(_mm512_i32gather_ps(rows, kt + d, 4)));
+                for (int64_t t = t0; t < t1; t++)
+                    round_row_bf16(v_cache + block + offsets[t] * D, v + t * v_stride + h * D, D);
+            }
+            continue;
         }
+#endif
+        for (int64_t t = t0; t < t1; t++)
+            write_kv_bf16_token(k, v, k_cache, v_cache, blocks, offsets, t, KVH, BS, D, k_stride, v_stride);
     }
 }
 
