@@ -10,7 +10,10 @@ prefix is reused; prefix caching off in both engines), each repeated --reps time
   batch32    32 requests x 128 in / 128 out, all at once: output tok/s
   prefill    one 2,048-token prompt, one output token: prompt tok/s
   decode     one 8-token prompt, 128 output tokens: output tok/s
-plus process start to ready (model loaded) and peak RSS (the sum of each process's peak).
+plus process start to ready (model loaded) and peak RSS (the sum of each process's peak), and
+  prefill_mfu  the prefill's model FLOPs (projections, causal attention, the LM head for one token)
+               per second over the processor's matmul peak in the run's precision (the best of a few
+               large torch.mm shapes with the engines' threads, measured after the engines)
 
 Each engine runs in its own process, one after the other, after the machine has been quiet
 (1-minute load under --quiet-load, waited for up to --quiet-wait-s); the CPU time other processes
@@ -97,10 +100,81 @@ def pdserve_child(input_path: str, output_path: str, cpu_isa: str, variant: str,
                         "output_tokens": sum(len(r["output_token_ids"]) for r in reqs)})
     import torch
 
+    cfg = engine.loaded.config
     Path(output_path).write_text(json.dumps({
         "import_s": import_s, "load_s": load_s, "ready_s": ready_s, "phases": results,
         "peak_rss_bytes": _peak_rss(), "cpu_plan": engine.cpu_plan.describe(),
-        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}))
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "model": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
+                                               "num_kv_heads", "head_dim", "vocab_size")}}))
+
+
+def mfu_rows(args, out: Path, isa: str, raw: dict, rows: list[dict]) -> list[dict]:
+    """The prefill's model FLOP utilisation (``prefill_flops`` at the prompt tok/s of each prefill row
+    of this ISA mode) against the processor's matmul peak in the row's precision (float32 for the
+    float32 rows, bfloat16 for the others), measured now in a child process under the same caps."""
+    models = [r["model"] for k, r in raw.items() if k.startswith(f"pdserve/{isa}/") and "model" in r]
+    prefills = [r for r in rows if r["workload"] == "prefill" and r["mode"].startswith(f"{isa} ")]
+    if not models or not prefills:
+        return []
+    peak_out = out / f"gemm_peak_{isa}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    if isa == "avx2":
+        from cpu_matmul import AVX2_ENV
+
+        env.update(AVX2_ENV)
+    wait_quiet(args.quiet_load, args.quiet_wait_s)
+    subprocess.run([sys.executable, __file__, "--gemm-peak-child", str(peak_out), str(args.threads)], env=env,
+                   check=True)
+    peaks = json.loads(peak_out.read_text())
+    raw[f"gemm_peak/{isa}"] = peaks
+    tokens = next(ph["prompt_tokens"] for r in raw.values() if "phases" in r for ph in r["phases"]
+                  if ph["name"].startswith("prefill/"))
+    per_token = prefill_flops(models[0], tokens) / tokens
+    print(f"{isa}: matmul peak, {args.threads} threads: float32 {peaks['float32'] / 1e9:.0f} GFLOP/s, bfloat16 "
+          f"{peaks['bfloat16'] / 1e9:.0f} GFLOP/s; the {tokens}-token prefill is {per_token * tokens / 1e9:.0f} GFLOP",
+          flush=True)
+    mfu = []
+    for r in prefills:
+        peak = peaks["float32" if r["mode"].split(" (")[0].endswith("float32") else "bfloat16"]
+        mfu.append({**r, "workload": "prefill_mfu", "vllm": r["vllm"] and r["vllm"] * per_token / peak,
+                    "pdserve": r["pdserve"] * per_token / peak})
+    return mfu
+
+
+def prefill_flops(model: dict, tokens: int) -> float:
+    """The model's FLOPs for one prompt of ``tokens`` tokens and its one output token: every
+    projection for each token, causal attention (scores and values over the pairs a causal mask
+    keeps), the LM head for the last position only."""
+    h, q, kv = model["hidden_size"], model["num_heads"] * model["head_dim"], model["num_kv_heads"] * model["head_dim"]
+    per_token = 2 * model["num_layers"] * (h * (q + 2 * kv) + q * h + 3 * h * model["intermediate_size"])
+    attention = model["num_layers"] * 2 * 2 * q * tokens * (tokens + 1) / 2
+    return per_token * tokens + attention + 2 * h * model["vocab_size"]
+
+
+def gemm_peak_child(output_path: str, threads: int) -> None:
+    """The processor's matmul peak as torch reaches it with ``threads`` threads, in float32 (MKL) and
+    bfloat16 (oneDNN: AMX tiles or bf16 dot products where present): the best over a few large
+    shapes (m x n x k) of the median of 5 ``torch.mm`` calls after one, as the shape that suits the
+    processor differs (on 2 AMX Xeon cores bfloat16 gave ~1.9 TFLOP/s at 4,096^3 and ~2.9 at
+    2,048 x 4,096 x 1,024); run under the same ISA caps as the engines."""
+    import torch
+
+    torch.set_num_threads(threads)
+    peaks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        best = 0.0
+        for m, n, k in ((4096, 4096, 4096), (2048, 4096, 1024), (2048, 3072, 576)):
+            a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+            torch.mm(a, b)
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                torch.mm(a, b)
+                times.append(time.perf_counter() - t0)
+            best = max(best, 2 * m * n * k / statistics.median(times))
+        peaks[str(dtype).removeprefix("torch.")] = best
+    Path(output_path).write_text(json.dumps(peaks))
 
 
 def _process_start(fallback: float) -> float:
@@ -208,7 +282,8 @@ def table(rows: list[dict]) -> str:
         ratio = f"{p / v:.2f}x" if v else "-"
         if r["workload"] in ("ready_s", "peak_rss_gb"):
             ratio = f"{v / p:.1f}x less" if v and p else "-"
-        fmt = "{:.1f}" if r["workload"] in ("ready_s", "peak_rss_gb", "decode") else "{:.0f}"
+        fmt = {"ready_s": "{:.1f}", "peak_rss_gb": "{:.1f}", "decode": "{:.1f}", "prefill_mfu": "{:.0%}"}.get(
+            r["workload"], "{:.0f}")
         lines.append(f"| {r['mode']} | {r['workload']} | {fmt.format(v) if v else '-'} | {fmt.format(p)} | {ratio} | "
                      f"{r['foreign'][0]:.2f}, {r['foreign'][1]:.2f} |")
     return "\n".join(lines)
@@ -431,10 +506,14 @@ def main() -> int:
     parser.add_argument("--skip-offline", action="store_true", help="only the serving comparison")
     parser.add_argument("--pdserve-child", nargs=5, metavar=("INPUT", "OUTPUT", "ISA", "DTYPE", "THREADS"),
                         help=argparse.SUPPRESS)
+    parser.add_argument("--gemm-peak-child", nargs=2, metavar=("OUTPUT", "THREADS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.pdserve_child:
         i, o, isa, dtype, threads = args.pdserve_child
         pdserve_child(i, o, isa, dtype, int(threads))
+        return 0
+    if args.gemm_peak_child:
+        gemm_peak_child(args.gemm_peak_child[0], int(args.gemm_peak_child[1]))
         return 0
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -485,6 +564,7 @@ def main() -> int:
             if vllm and dtype == "float32":
                 same, total = agreement(vllm, ours)
                 print(f"{isa}: greedy outputs token-identical in {same} of {total} requests", flush=True)
+        rows += mfu_rows(args, out, isa, raw, rows)
     print(f"\nCPU: {describe_cpu()}\n")
     print(table(rows))
     (out / "engine_vs_vllm.json").write_text(json.dumps({"cpu": describe_cpu(), "rows": rows, "raw": raw},
