@@ -409,8 +409,15 @@ static void softmax_pairs_amx(const float *s, uint32_t *p, float *o, float *m, f
         const int64_t a = first[r] - k0 < 0 ? 0 : first[r] - k0, b = last[r] - k0 + 1 > kn ? kn : last[r] - k0 + 1;
         __m512 vmx = _mm512_set1_ps(m[r]);
         const float *sr = s + r * KC;
-        for (int64_t j0 = a & ~(int64_t)15; j0 < b; j0 += 16)
-            vmx = _mm512_mask_max_ps(vmx, lanes_within(j0, a, b), vmx, _mm512_loadu_ps(sr + j0));
+        if (a == 0 && b == KC) { /* (a row with every key of the step: no masks, a tree of maxima) */
+            __m512 v[KC / 16];
+            for (int u = 0; u < KC / 16; u++) v[u] = _mm512_loadu_ps(sr + u * 16);
+            for (int w = KC / 32; w > 0; w /= 2)
+                for (int u = 0; u < w; u++) v[u] = _mm512_max_ps(v[u], v[u + w]);
+            vmx = _mm512_max_ps(vmx, v[0]);
+        } else
+            for (int64_t j0 = a & ~(int64_t)15; j0 < b; j0 += 16)
+                vmx = _mm512_mask_max_ps(vmx, lanes_within(j0, a, b), vmx, _mm512_loadu_ps(sr + j0));
         mx[r] = _mm512_reduce_max_ps(vmx);
     }
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
@@ -428,8 +435,9 @@ static void softmax_pairs_amx(const float *s, uint32_t *p, float *o, float *m, f
         const float *sr = s + r * KC;
         const __m512 vm = _mm512_set1_ps(mx[r]);
         __m512 vsum = _mm512_setzero_ps();
+        const int full = a == 0 && b == KC; /* (no masks to compute: the lanes' arithmetic alone) */
         for (int64_t j0 = 0; j0 < KC; j0 += 32) {
-            const __mmask16 w0 = lanes_within(j0, a, b), w1 = lanes_within(j0 + 16, a, b);
+            const __mmask16 w0 = full ? 0xffff : lanes_within(j0, a, b), w1 = full ? 0xffff : lanes_within(j0 + 16, a, b);
             if (!(w0 | w1)) {
                 _mm512_storeu_si512(pr + j0 / 2, _mm512_setzero_si512());
                 continue;
