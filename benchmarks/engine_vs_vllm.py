@@ -413,23 +413,24 @@ def wait_idle(limit: float, wait_s: float) -> float:
 
 
 def serve_comparison(args, out: Path) -> list[dict]:
-    """Every server up at once, each on its own port; then each rate run against each server in
-    turn, so that a slower hour of a shared machine lands on every server alike (on the KVM Xeon the
-    same offline prefill ran 388 ms and, an hour later, 457-474)."""
+    """Each server alone on the machine, one after the other: started, run at every rate, stopped.
+    (Before, every server was up at once, each rate run against each in turn, so that a slower hour
+    of a shared machine would land on all alike; but an idle vllm serve beside it slowed pdserve's
+    runs: on 2 AMX Xeon cores, bf16 weights and KV cache, at 5 req/s p90 TTFT 828 ms and p90 TPOT 95
+    against 535 and 86 alone, while vLLM's figures were the same either way. Its idle processes
+    woke now and then, and pdserve's steps, with hundreds of parallel regions each, wait at every
+    region for a thread that was preempted.)"""
     servers = serve_servers(args, args.serve_port)
-    wait_quiet(args.quiet_load, args.quiet_wait_s)
-    procs = {}
     rows = []
-    try:
-        for server, (port, cmd) in servers.items():
-            print(f"starting {server} on port {port} ...", file=sys.stderr, flush=True)
-            procs[server] = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
-        for server, (port, _) in servers.items():
-            _wait_http(f"http://127.0.0.1:{port}/health", procs[server], 900)
+    for server, (port, cmd) in servers.items():
+        wait_quiet(args.quiet_load, args.quiet_wait_s)
+        print(f"starting {server} on port {port} ...", file=sys.stderr, flush=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
+        try:
+            _wait_http(f"http://127.0.0.1:{port}/health", proc, 900)
             if "pdserve" in server:
-                _wait_http(f"http://127.0.0.1:{port}/ready", procs[server], 300)
-        for rate in [float(r) for r in args.serve_rates.split(",")]:
-            for server, (port, _) in servers.items():
+                _wait_http(f"http://127.0.0.1:{port}/ready", proc, 300)
+            for rate in [float(r) for r in args.serve_rates.split(",")]:
                 idle = wait_idle(args.idle_cores, 120)
                 busy0, t0 = _busy_jiffies(), time.monotonic()
                 result = bench_serve(args, port, rate, out, server)
@@ -437,10 +438,9 @@ def serve_comparison(args, out: Path) -> list[dict]:
                 rows.append({"server": server, "rate": rate, "cores_busy": load, "idle_before": idle,
                              **{k: result.get(k) for k in SERVE_METRICS}})
                 print(serve_table(rows[-1:]), file=sys.stderr, flush=True)
-    finally:
-        for proc in procs.values():
+        finally:
             _stop(proc)
-    return sorted(rows, key=lambda r: (list(servers).index(r["server"]), r["rate"]))
+    return rows
 
 
 def serve_table(rows: list[dict]) -> str:
@@ -491,7 +491,8 @@ def main() -> int:
     parser.add_argument("--result-dir", default="bench-results", help="where JSON and PNG go")
     parser.add_argument("--serve", action="store_true",
                         help="also compare serving: vllm serve, pdserve serve colocated and 1 prefill + 1 decode, "
-                             "each driven by `vllm bench serve` (random prompts) at each of --serve-rates")
+                             "each alone on the machine in turn, driven by `vllm bench serve` (random prompts) at "
+                             "each of --serve-rates")
     parser.add_argument("--serve-servers", default="vllm,colocated,1p1d",
                         help="comma-separated servers for --serve: "
                              + ", ".join(f"{k} ({v})" for k, v in SERVERS.items()) + " (default: vllm,colocated,1p1d)")
