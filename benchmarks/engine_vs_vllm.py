@@ -117,6 +117,7 @@ def mfu_rows(args, out: Path, isa: str, raw: dict, rows: list[dict]) -> list[dic
     prefills = [r for r in rows if r["workload"] == "prefill" and r["mode"].startswith(f"{isa} ")]
     if not models or not prefills:
         return []
+    precision = {id(r): "float32" if r["mode"].split(" (")[0].endswith("float32") else "bfloat16" for r in prefills}
     peak_out = out / f"gemm_peak_{isa}.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     if isa == "avx2":
@@ -124,19 +125,19 @@ def mfu_rows(args, out: Path, isa: str, raw: dict, rows: list[dict]) -> list[dic
 
         env.update(AVX2_ENV)
     wait_quiet(args.quiet_load, args.quiet_wait_s)
-    subprocess.run([sys.executable, __file__, "--gemm-peak-child", str(peak_out), str(args.threads)], env=env,
-                   check=True)
+    subprocess.run([sys.executable, __file__, "--gemm-peak-child", str(peak_out), str(args.threads),
+                    ",".join(sorted(set(precision.values())))], env=env, check=True)
     peaks = json.loads(peak_out.read_text())
     raw[f"gemm_peak/{isa}"] = peaks
     tokens = next(ph["prompt_tokens"] for r in raw.values() if "phases" in r for ph in r["phases"]
                   if ph["name"].startswith("prefill/"))
     per_token = prefill_flops(models[0], tokens) / tokens
-    print(f"{isa}: matmul peak, {args.threads} threads: float32 {peaks['float32'] / 1e9:.0f} GFLOP/s, bfloat16 "
-          f"{peaks['bfloat16'] / 1e9:.0f} GFLOP/s; the {tokens}-token prefill is {per_token * tokens / 1e9:.0f} GFLOP",
-          flush=True)
+    print(f"{isa}: matmul peak, {args.threads} threads: "
+          + ", ".join(f"{name} {peak / 1e9:.0f} GFLOP/s" for name, peak in peaks.items())
+          + f"; the {tokens}-token prefill is {per_token * tokens / 1e9:.0f} GFLOP", flush=True)
     mfu = []
     for r in prefills:
-        peak = peaks["float32" if r["mode"].split(" (")[0].endswith("float32") else "bfloat16"]
+        peak = peaks[precision[id(r)]]
         mfu.append({**r, "workload": "prefill_mfu", "vllm": r["vllm"] and r["vllm"] * per_token / peak,
                     "pdserve": r["pdserve"] * per_token / peak})
     return mfu
@@ -152,17 +153,18 @@ def prefill_flops(model: dict, tokens: int) -> float:
     return per_token * tokens + attention + 2 * h * model["vocab_size"]
 
 
-def gemm_peak_child(output_path: str, threads: int) -> None:
+def gemm_peak_child(output_path: str, threads: int, dtypes: str) -> None:
     """The processor's matmul peak as torch reaches it with ``threads`` threads, in float32 (MKL) and
     bfloat16 (oneDNN: AMX tiles or bf16 dot products where present): the best over a few large
     shapes (m x n x k) of the median of 5 ``torch.mm`` calls after one, as the shape that suits the
     processor differs (on 2 AMX Xeon cores bfloat16 gave ~1.9 TFLOP/s at 4,096^3 and ~2.9 at
-    2,048 x 4,096 x 1,024); run under the same ISA caps as the engines."""
+    2,048 x 4,096 x 1,024); run under the same ISA caps as the engines. ``dtypes``: comma-separated,
+    those the rows need (bfloat16 under the AVX2 caps has no fast path: minutes a shape)."""
     import torch
 
     torch.set_num_threads(threads)
     peaks = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (getattr(torch, name) for name in dtypes.split(",")):
         best = 0.0
         for m, n, k in ((4096, 4096, 4096), (2048, 4096, 1024), (2048, 3072, 576)):
             a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
@@ -509,14 +511,14 @@ def main() -> int:
     parser.add_argument("--skip-offline", action="store_true", help="only the serving comparison")
     parser.add_argument("--pdserve-child", nargs=5, metavar=("INPUT", "OUTPUT", "ISA", "DTYPE", "THREADS"),
                         help=argparse.SUPPRESS)
-    parser.add_argument("--gemm-peak-child", nargs=2, metavar=("OUTPUT", "THREADS"), help=argparse.SUPPRESS)
+    parser.add_argument("--gemm-peak-child", nargs=3, metavar=("OUTPUT", "THREADS", "DTYPES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.pdserve_child:
         i, o, isa, dtype, threads = args.pdserve_child
         pdserve_child(i, o, isa, dtype, int(threads))
         return 0
     if args.gemm_peak_child:
-        gemm_peak_child(args.gemm_peak_child[0], int(args.gemm_peak_child[1]))
+        gemm_peak_child(args.gemm_peak_child[0], int(args.gemm_peak_child[1]), args.gemm_peak_child[2])
         return 0
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
