@@ -117,7 +117,9 @@ def mfu_rows(args, out: Path, isa: str, raw: dict, rows: list[dict]) -> list[dic
     prefills = [r for r in rows if r["workload"] == "prefill" and r["mode"].startswith(f"{isa} ")]
     if not models or not prefills:
         return []
-    precision = {id(r): "float32" if r["mode"].split(" (")[0].endswith("float32") else "bfloat16" for r in prefills}
+    def precision(row: dict) -> str:  # ("native float32", "native bf16-kv16 (vLLM bfloat16)", ...)
+        return "float32" if row["mode"].split(" (")[0].endswith("float32") else "bfloat16"
+
     peak_out = out / f"gemm_peak_{isa}.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     if isa == "avx2":
@@ -126,7 +128,7 @@ def mfu_rows(args, out: Path, isa: str, raw: dict, rows: list[dict]) -> list[dic
         env.update(AVX2_ENV)
     wait_quiet(args.quiet_load, args.quiet_wait_s)
     subprocess.run([sys.executable, __file__, "--gemm-peak-child", str(peak_out), str(args.threads),
-                    ",".join(sorted(set(precision.values())))], env=env, check=True)
+                    ",".join(sorted({precision(r) for r in prefills}))], env=env, check=True)
     peaks = json.loads(peak_out.read_text())
     raw[f"gemm_peak/{isa}"] = peaks
     tokens = next(ph["prompt_tokens"] for r in raw.values() if "phases" in r for ph in r["phases"]
@@ -137,7 +139,7 @@ def mfu_rows(args, out: Path, isa: str, raw: dict, rows: list[dict]) -> list[dic
           + f"; the {tokens}-token prefill is {per_token * tokens / 1e9:.0f} GFLOP", flush=True)
     mfu = []
     for r in prefills:
-        peak = peaks[precision[id(r)]]
+        peak = peaks[precision(r)]
         mfu.append({**r, "workload": "prefill_mfu", "vllm": r["vllm"] and r["vllm"] * per_token / peak,
                     "pdserve": r["pdserve"] * per_token / peak})
     return mfu

@@ -400,8 +400,9 @@ static inline __mmask16 lanes_within(int64_t j0, int64_t a, int64_t b) {
  * written as float32 and rounded into pairs in a second pass; the scores in base 2 (prefill_task scales the
  * queries by log2 e too), so 2^x through vec_exp2_16_bf16 (its error a 26th of that rounding); each row's
  * rescale factor 2^(m_old - m_new) 16 rows at a time rather than a scalar expf per row. Rows, ranges, m, l
- * and o as attend_keys has them. 2 AMX Xeon cores, SmolLM2's heads, a bfloat16 cache: a 512-token chunk
- * 0.67 -> 0.51 ms, 2,048 tokens 8.75 -> 5.8 ms (with vec_exp2_16_bf16). */
+ * and o as attend_keys has them; a row that takes every key of the step computes no lane masks (their
+ * scalar work cost as much as the lanes' arithmetic). 2 AMX Xeon cores, SmolLM2's heads, a bfloat16
+ * cache: a 512-token chunk 0.67 -> 0.44-0.46 ms, 2,048 tokens 8.75 -> 4.7-4.9 ms. */
 static void softmax_pairs_amx(const float *s, uint32_t *p, float *o, float *m, float *l, const int64_t *first,
                               const int64_t *last, int64_t rows, int64_t k0, int64_t kn, int64_t D) {
     float mx[ROWS + 16], c[ROWS + 16];
@@ -469,21 +470,21 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
                                const int64_t *last, int64_t rows, float *s, const void *k, const void *v,
                                const int64_t *blocks, int64_t b0, int64_t k0, int64_t kn, int64_t h, int64_t KVH,
                                int64_t D, int64_t BS, const pairs_t *bf, int kvb) {
-    /* scores: the key vectors come from the step's cache blocks ([D][BS] each) */
     const int64_t ncols = ((kn + BS - 1) / BS) * BS / VW;
-    const char *col[KC / VW];
-    for (int64_t u = 0; u < ncols; u++) {
-        const int64_t key = k0 + u * VW;
-        col[u] = kv_at(k, (blocks[key / BS - b0] * KVH + h) * D * BS + key % BS, kvb);
-    }
 #if AMX_PRODUCTS
-    if (bf != NULL && bf->amx) {
+    if (bf != NULL && bf->amx) { /* (the packed pairs: no block pointers to look up) */
         scores_amx(s, bf, bf->pk + h * bf->head_u32 + k0 * (D / 2), ncols, rows, D);
         softmax_pairs_amx(s, bf->p, o, m, l, first, last, rows, k0, kn, D);
         values_amx(o, bf, bf->pv + h * bf->head_u32 + k0 / 2 * D, (kn + 1) / 2, rows, D);
         return;
     }
 #endif
+    /* scores: the key vectors come from the step's cache blocks ([D][BS] each) */
+    const char *col[KC / VW];
+    for (int64_t u = 0; u < ncols; u++) {
+        const int64_t key = k0 + u * VW;
+        col[u] = kv_at(k, (blocks[key / BS - b0] * KVH + h) * D * BS + key % BS, kvb);
+    }
 #if BF16_PRODUCTS
     if (bf != NULL)
         scores_bf16(s, bf, col, ncols, rows, D, BS, kvb, k0, h);
