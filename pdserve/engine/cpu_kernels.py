@@ -115,12 +115,14 @@ def load_kernels() -> ctypes.CDLL | None:
         "amx_gemm_available": [],
         "amx_pack_bf16": [ptr, ptr, i64, i64],
         "amx_gemm_bf16": [ptr, i64, ptr, ptr, i64, i64, i64, i64],
+        "amx_gemm_bf16_many": [ptr, i64, ptr, ptr, i64, i64, i64, i64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     for name in ("paged_decode_f32", "paged_prefill_f32", "paged_attention_f32_fits", "paged_prefill_bf16_products",
-                 "qdot_available", "qdot_gemm_q4", "qdot_gemm_q8", "amx_gemm_available", "amx_gemm_bf16"):
+                 "qdot_available", "qdot_gemm_q4", "qdot_gemm_q8", "amx_gemm_available", "amx_gemm_bf16",
+                 "amx_gemm_bf16_many"):
         getattr(lib, name).restype = ctypes.c_int
     return lib
 
@@ -218,7 +220,7 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-AMX_ROWS = 64  # rows amx_gemm takes at most (csrc/cpu_amx.c)
+AMX_ROWS = 64  # rows of the decode kernel amx_gemm_bf16 (csrc/cpu_amx.c); more go to amx_gemm_bf16_many
 
 
 def amx_pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor | None:
@@ -236,12 +238,15 @@ def amx_pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor | None:
 def amx_gemm(lib: ctypes.CDLL, packed: torch.Tensor, n: int, x: torch.Tensor,
              out_dtype: torch.dtype) -> torch.Tensor | None:
     """``x W^T`` on AMX tiles (W ``amx_pack``'s, ``n`` rows): ``x`` contiguous ``[M, K]`` float32 or
-    bfloat16, M at most ``AMX_ROWS``; the answer rounded to bfloat16 as oneDNN's is, in ``out_dtype``
-    (float32 or bfloat16). None where it does not run (then nothing was written)."""
+    bfloat16; the answer rounded to bfloat16 as oneDNN's is, in ``out_dtype`` (float32 or bfloat16).
+    Up to ``AMX_ROWS`` rows the kernel that streams W once (decode steps), more the one that runs the
+    rows past each thread's half of W (``amx_gemm_bf16_many``: prefill steps). None where it does not
+    run (then nothing was written)."""
     m, k = x.shape
     out = torch.empty(m, n, dtype=out_dtype)
-    failed = lib.amx_gemm_bf16(x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(), out.data_ptr(),
-                               int(out_dtype == torch.bfloat16), m, n, k)
+    kernel = lib.amx_gemm_bf16 if m <= AMX_ROWS else lib.amx_gemm_bf16_many
+    failed = kernel(x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(), out.data_ptr(),
+                    int(out_dtype == torch.bfloat16), m, n, k)
     return None if failed else out
 
 

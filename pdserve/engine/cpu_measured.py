@@ -25,6 +25,11 @@ Two choices use it:
   against 63; ``benchmarks/decode_steps.py --few-rows N``). Timed on one decoder layer's
   projections both ways at each of ``CANDIDATES`` rows.
 - **a bf16 model's prefill products** (``attention.CpuPagedAttention.choose_prefill_products``).
+- **a bf16 projection's rows on AMX tiles** (``amx_rows_for``): up to how many rows each shape of
+  a layer's ``BF16Linear`` projections goes through our AMX kernel rather than oneDNN. On 2 AMX Xeon
+  cores oneDNN ran some shapes at some row counts on one core (SmolLM2's o and down projections at
+  384-768 rows, its qkv at 768-1,024: no faster than on one thread), our kernel at ~2.1-2.4 TFLOP/s
+  throughout; oneDNN led on the 3,072-wide gate_up and from ~1,536 rows (up to 2.9).
 """
 
 from __future__ import annotations
@@ -155,3 +160,48 @@ def few_rows_for(layer: list, threads: int) -> int:
     build = Path(layer[0].kernels._name).stem  # the kernels' build (their sources' hash): a new kernel measures anew
     return kept(f"largest batch of rows through the C kernels (more: {layer[0].path})",
                 machine_key(layer[0].path, f"{threads} threads", shapes, build), timed)
+
+
+AMX_CANDIDATES = (128, 256, 384, 512, 768, 1024, 1536, 2048)
+AMX_ROUNDS = 5
+
+
+def measure_amx_rows(module, candidates: tuple[int, ...] = AMX_CANDIDATES) -> tuple[int, dict]:
+    """``(rows, seconds)`` for one ``BF16Linear`` with AMX tiles: up to how many rows (0: none past
+    the decode kernel's) its AMX kernel should take, and each candidate's (AMX, oneDNN) seconds, the
+    best of ``AMX_ROUNDS`` rounds. The threshold is the one whose choice, AMX up to it and oneDNN
+    past it, takes the least time over the candidates summed as ratios (each row count weighs alike:
+    a 128-row step is as common as a 2,048-row one)."""
+    from pdserve.engine.cpu_kernels import amx_gemm
+    from pdserve.engine.model import onednn_linear
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        calls = {}
+        for rows in candidates:
+            x = torch.randn(rows, module.in_features, generator=gen).to(torch.bfloat16)
+            calls[rows] = (lambda x=x: amx_gemm(module.kernels, module.amx, module.out_features, x, torch.bfloat16),
+                           lambda x=x: onednn_linear(x, module.packed, module.padded_rows))
+            calls[rows][1]()  # oneDNN builds its kernel for the shape on the first call
+        seconds = {rows: (float("inf"), float("inf")) for rows in candidates}
+        for _ in range(AMX_ROUNDS):
+            for rows, (amx, dnn) in calls.items():
+                best_amx, best_dnn = seconds[rows]
+                seconds[rows] = (min(best_amx, _timed(amx)), min(best_dnn, _timed(dnn)))
+    cost = {0: sum(1.0 for _ in candidates)}  # (oneDNN's time over itself at every candidate)
+    for limit in candidates:
+        cost[limit] = sum(a / d if rows <= limit else 1.0 for rows, (a, d) in seconds.items())
+    return min(cost, key=lambda limit: (cost[limit], limit)), seconds
+
+
+def amx_rows_for(module, threads: int) -> int:
+    """Up to how many rows ``module``'s shape goes through the AMX kernels on this machine (``kept``,
+    ``measure_amx_rows``); 0: past the decode kernel's rows, oneDNN."""
+    def timed() -> tuple[int, str]:
+        rows, seconds = measure_amx_rows(module)
+        return rows, (f"{module.out_features} x {module.in_features}, AMX against oneDNN, ms: "
+                      + ", ".join(f"{r} rows {a * 1e3:.3f}/{d * 1e3:.3f}" for r, (a, d) in seconds.items()))
+
+    build = Path(module.kernels._name).stem
+    return kept("most rows of a bf16 projection on AMX tiles (more: oneDNN)",
+                machine_key(f"{threads} threads", (module.out_features, module.in_features), build), timed)

@@ -388,8 +388,9 @@ class LlamaForCausalLM(nn.Module):
 
     def choose_few_rows(self, threads: int) -> None:
         """Up to how many rows the float32 projections, and bfloat16 ones (quantization bf16), go
-        through the C kernel: this machine's answer for each (``cpu_measured``, measured once per
-        machine); call after ``prepare_for_cpu``."""
+        through the C kernel, and bfloat16 ones through the AMX kernels where the processor has them:
+        this machine's answer for each (``cpu_measured``, measured once per machine); call after
+        ``prepare_for_cpu``."""
         from pdserve.engine.quant.formats import BF16Linear  # (formats builds on this module)
 
         def measured(kind: type, path_too: bool) -> None:
@@ -403,6 +404,17 @@ class LlamaForCausalLM(nn.Module):
 
         measured(Linear, path_too=False)  # quantized projections have kernels of their own, but bf16's:
         measured(BF16Linear, path_too=True)  # (a bf16 weight that oneDNN cannot take: the C kernel to FEW_ROWS)
+        # bf16 projections on AMX tiles: up to how many rows, per shape of the layers' (the head keeps AMX_ROWS)
+        from pdserve.engine.cpu_kernels import AMX_ROWS
+
+        shapes: dict[tuple[int, int], int] = {}
+        for layer in self.layers:
+            for module in layer.modules():
+                if type(module) is BF16Linear and module.amx is not None and module.packed is not None:
+                    key = (module.out_features, module.in_features)
+                    if key not in shapes:
+                        shapes[key] = max(AMX_ROWS, cpu_measured.amx_rows_for(module, threads))
+                    module.amx_rows = shapes[key]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens.weight)

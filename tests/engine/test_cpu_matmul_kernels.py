@@ -55,7 +55,8 @@ def test_the_row_threshold_is_measured_once_per_machine_and_kept(tmp_path, monke
 @needs_kernels
 def test_bf16_weights_measure_their_own_threshold_and_the_model_sets_it(tmp_path, monkeypatch):
     """A bf16 model's projections (``BF16Linear``) are timed apart from float32 ones, under a key of
-    their own (``onednn bf16``), and ``choose_few_rows`` gives every bf16 projection that answer."""
+    their own (``onednn bf16``), and ``choose_few_rows`` gives every bf16 projection that answer (and,
+    with AMX tiles, each layer projection its shape's measured AMX rows)."""
     from pdserve.engine.config import PRESETS
     from pdserve.engine.cpu_kernels import AMX_ROWS
     from pdserve.engine.model import LlamaForCausalLM
@@ -76,10 +77,15 @@ def test_bf16_weights_measure_their_own_threshold_and_the_model_sets_it(tmp_path
     rows, seconds = cpu_measured.measure(layer)  # the C kernel against oneDNN, both in bfloat16 weights
     assert set(seconds) == set(cpu_measured.CANDIDATES) and all(c > 0 and p > 0 for c, p in seconds.values())
     monkeypatch.setattr(cpu_measured, "measure", lambda layer: (12, {12: (1.0, 2.0)}))
+    monkeypatch.setattr(cpu_measured, "measure_amx_rows", lambda module: (256, {256: (1.0, 2.0)}))
     model.choose_few_rows(1)
     assert {m.few_rows for m in model.modules() if isinstance(m, BF16Linear)} == {12}
-    first = (AMX_ROWS if amx else 12) + 1
-    assert all(m.onednn_rows == first for m in model.modules() if isinstance(m, BF16Linear))
+    # the layers' projections take the measured AMX rows (with tiles), any other (the head) AMX_ROWS
+    in_layers = {id(m) for m in model.layers.modules()}
+    for m in model.modules():
+        if isinstance(m, BF16Linear):
+            most = (256 if id(m) in in_layers else AMX_ROWS) if amx else 12
+            assert m.onednn_rows == most + 1
     x = torch.randn(12, layer[0].in_features)
     assert torch.equal(layer[0](x), layer[0].c_rows(x))  # 12 rows now through the C kernel
 

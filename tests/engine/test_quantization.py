@@ -70,10 +70,11 @@ def test_bf16_linear_close_to_float_through_each_path(weight_and_input, rows):
 
 
 def test_bf16_linear_on_amx_tiles_multiplies_as_onednn_does():
-    """Where the processor has AMX tiles, a bf16 layer's rows past the C kernels and up to AMX_ROWS
-    go through our tile kernel: the same bfloat16 products as oneDNN's, summed in float32 (in
-    another order) and rounded to bfloat16 as oneDNN's answer is, float32 or bfloat16 x in, float32
-    or bfloat16 out; more rows go to oneDNN."""
+    """Where the processor has AMX tiles, a bf16 layer's rows past the C kernels and up to its
+    ``amx_rows`` (AMX_ROWS unless the model measured more) go through our tile kernels (up to
+    AMX_ROWS the decode one, past it the prefill one, rows in place or padded past the last 32): the
+    same bfloat16 products as oneDNN's, summed in float32 (in another order) and rounded to bfloat16
+    as oneDNN's answer is, float32 or bfloat16 x in, float32 or bfloat16 out; more rows go to oneDNN."""
     from pdserve.engine import cpu_kernels
     from pdserve.engine.quant.formats import BF16Linear
 
@@ -82,20 +83,50 @@ def test_bf16_linear_on_amx_tiles_multiplies_as_onednn_does():
     if layer.amx is None:
         pytest.skip("no AMX tiles here (or the ISA is capped below them)")
     assert "amx" in layer.path and layer.onednn_rows == cpu_kernels.AMX_ROWS + 1
-    for rows in (1, 3, 16, 17, 40, cpu_kernels.AMX_ROWS, cpu_kernels.AMX_ROWS + 1):
-        for x in (torch.randn(rows, 160, generator=gen), torch.randn(rows, 160, generator=gen).bfloat16()):
-            want = onednn_linear(x.bfloat16(), layer.packed, layer.padded_rows)
-            got = layer.many_rows(x)
-            assert got.dtype == x.dtype
-            torch.testing.assert_close(got.float(), want.float(), rtol=0.01, atol=1e-3)
-            widened = layer._amx(x, torch.float32)
-            if rows <= cpu_kernels.AMX_ROWS:
-                reference = (x.bfloat16().double() @ layer.qweight.double().T).float()
-                torch.testing.assert_close(widened, reference, rtol=2**-8, atol=1e-6)  # within bfloat16's step
-                assert torch.equal(layer._amx(x, torch.bfloat16), widened.bfloat16())
-                assert torch.equal(widened.bfloat16().float(), widened)
-            else:
-                assert widened is None  # (more rows than the tiles take)
+    for amx_rows in (None, 300):
+        layer.amx_rows = amx_rows
+        most = amx_rows or cpu_kernels.AMX_ROWS
+        assert f"amx bf16 to {most} rows" in layer.path and layer.onednn_rows == most + 1
+        for rows in (1, 3, 16, 17, 40, cpu_kernels.AMX_ROWS, cpu_kernels.AMX_ROWS + 1, 96, 127, 300, 301):
+            for x in (torch.randn(rows, 160, generator=gen), torch.randn(rows, 160, generator=gen).bfloat16()):
+                want = onednn_linear(x.bfloat16(), layer.packed, layer.padded_rows)
+                got = layer.many_rows(x)
+                assert got.dtype == x.dtype
+                torch.testing.assert_close(got.float(), want.float(), rtol=0.01, atol=1e-3)
+                widened = layer._amx(x, torch.float32)
+                if rows <= most:
+                    reference = (x.bfloat16().double() @ layer.qweight.double().T).float()
+                    torch.testing.assert_close(widened, reference, rtol=2**-8, atol=1e-6)  # within bfloat16's step
+                    assert torch.equal(layer._amx(x, torch.bfloat16), widened.bfloat16())
+                    assert torch.equal(widened.bfloat16().float(), widened)
+                else:
+                    assert widened is None  # (more rows than the tiles take)
+
+
+def test_amx_rows_are_measured_per_shape_and_chosen_by_the_least_time(monkeypatch):
+    """The model asks ``cpu_measured.amx_rows_for`` once per shape of its layers' bf16 projections;
+    the threshold is the one whose choice (AMX up to it, oneDNN past it) costs least over the candidates,
+    each counted as its time over oneDNN's (0: oneDNN past the decode kernel's rows)."""
+    from pdserve.engine import cpu_measured
+    from pdserve.engine.quant.formats import BF16Linear
+
+    layer = BF16Linear(torch.randn(64, 96, generator=torch.Generator().manual_seed(3)) * 0.05)
+    if layer.amx is None:
+        pytest.skip("no AMX tiles here (or the ISA is capped below them)")
+    times = iter([])
+
+    def timed(fn):  # AMX then oneDNN for each candidate, every round: the scripted seconds
+        fn()
+        return next(times)
+
+    monkeypatch.setattr(cpu_measured, "_timed", timed)
+    monkeypatch.setattr(cpu_measured, "AMX_ROUNDS", 1)
+    for script, want in (({128: (1, 2), 256: (1, 2), 512: (3, 2)}, 256),  # AMX leads to 256 rows
+                         ({128: (1, 2), 256: (2.5, 2), 512: (1, 2)}, 512),  # one loss outweighed
+                         ({128: (3, 2), 256: (3, 2), 512: (1, 2)}, 0)):  # oneDNN throughout, bar one
+        times = iter([t for pair in script.values() for t in pair])
+        rows, seconds = cpu_measured.measure_amx_rows(layer, tuple(script))
+        assert rows == want and seconds == {r: (float(a), float(d)) for r, (a, d) in script.items()}
 
 
 def test_bf16_swiglu_stays_in_bfloat16_and_equals_the_widened_path():

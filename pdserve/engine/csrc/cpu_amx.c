@@ -6,6 +6,7 @@
 #include "cpu_amx.h"
 #include "cpu_vec.h"
 
+#include <omp.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -47,18 +48,16 @@ void amx_configure(void) { _tile_loadconfig(&tiles_16x64); }
 
 
 /* rows [r0, min(r0 + 16, M)) of a 16 x 16 float32 tile t (row stride 16) into y at column n0, each
- * rounded to bfloat16: stored so (y_bf16), or widened back to float32 */
+ * rounded to bfloat16 (bf16_round16, as f32_to_bf16 rounds): stored so (y_bf16), or widened back to
+ * float32. 16 lanes a row: a value at a time, a 32-row x 3,072 tile pass took ~0.1 ms of stores. */
 static void put_rows(const float *t, void *y, int y_bf16, int64_t r0, int64_t n0, int64_t M, int64_t N) {
-    for (int64_t r = r0; r < r0 + 16 && r < M; r++)
-        for (int j = 0; j < 16; j++) {
-            const uint16_t h = f32_to_bf16(t[(r - r0) * 16 + j]);
-            if (y_bf16) {
-                ((uint16_t *)y)[r * N + n0 + j] = h;
-            } else {
-                const uint32_t u = (uint32_t)h << 16;
-                memcpy((float *)y + r * N + n0 + j, &u, sizeof u);
-            }
-        }
+    for (int64_t r = r0; r < r0 + 16 && r < M; r++) {
+        const __m256i h = bf16_round16(_mm512_load_ps(t + (r - r0) * 16));
+        if (y_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + r * N + n0), h);
+        else
+            _mm512_storeu_ps((float *)y + r * N + n0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
 }
 #endif
 
@@ -130,6 +129,69 @@ int amx_gemm_bf16(const void *x, int64_t x_bf16, const uint16_t *w, void *y, int
                     PUT(3, r0 + 16, n0 + 16);
                 }
 #undef PUT
+            }
+        }
+        _tile_release();
+    }
+    free(xs);
+    return 0;
+#else
+    (void)x, (void)x_bf16, (void)w, (void)y, (void)y_bf16, (void)M, (void)N, (void)K;
+    return -1;
+#endif
+}
+
+/* amx_gemm_bf16 for any number of rows (a bf16 model's prefill projections), the same answer: past
+ * AMX_ROWS, oneDNN's bf16 matmul left one of the two cores idle at many row counts (SmolLM2's o and down
+ * projections at 384-768 rows, its qkv at 768-1,024: no faster on 2 threads than on 1, 2 AMX Xeon cores),
+ * and its per-shape kernels need the rows padded to buckets. Each thread takes its own half of W's
+ * 32-column blocks (balanced, whatever M) and runs AMX_MC rows of x at a time past each block: the
+ * block's tiles come from memory once per AMX_MC rows and from cache for each 32 rows after the first.
+ * x in bfloat16 is read in place but for its last M % 32 rows (copied, padded with zeros); float32 x
+ * is rounded to bfloat16 first, both threads sharing the rows. Returns -1 (y untouched) where it does
+ * not run (not built or granted AMX, N or K not a multiple of 32, no memory for the copy); else 0. */
+#define AMX_MC 512
+int amx_gemm_bf16_many(const void *x, int64_t x_bf16, const uint16_t *w, void *y, int64_t y_bf16, int64_t M,
+                       int64_t N, int64_t K) {
+#if AMX_BUILT
+    if (!amx_granted() || M < 1 || N % 32 || K % 32) return -1;
+    const int64_t M32 = (M + 31) / 32 * 32, full = x_bf16 ? M / 32 * 32 : 0; /* rows read in place */
+    uint16_t *xs = aligned_alloc(64, sizeof(uint16_t) * ((M32 - full) * K + 32)); /* (+32: never size 0) */
+    if (xs == NULL) return -1;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = full; r < M32; r++) {
+            uint16_t *dst = xs + (r - full) * K;
+            if (r >= M)
+                memset(dst, 0, sizeof(uint16_t) * K);
+            else if (x_bf16)
+                memcpy(dst, (const uint16_t *)x + r * K, sizeof(uint16_t) * K);
+            else
+                for (int64_t k = 0; k < K; k += 16)
+                    _mm256_storeu_si256((__m256i *)(dst + k), bf16_round16(_mm512_loadu_ps((const float *)x + r * K + k)));
+        }
+        amx_configure();
+        const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num(), NB = N / 32;
+        const int64_t nb0 = NB * me / nt, nb1 = NB * (me + 1) / nt;
+        float t[16 * 16] __attribute__((aligned(64)));
+        for (int64_t m0 = 0; m0 < M32; m0 += AMX_MC) {
+            const int64_t m1 = m0 + AMX_MC < M32 ? m0 + AMX_MC : M32;
+            for (int64_t nb = nb0; nb < nb1; nb++) {
+                const uint16_t *b0 = w + 2 * nb * (K / 32) * 512, *b1 = b0 + (K / 32) * 512;
+                const int64_t n0 = nb * 32;
+                for (int64_t r0 = m0; r0 < m1; r0 += 32) {
+                    const uint16_t *a = r0 < full ? (const uint16_t *)x + r0 * K : xs + (r0 - full) * K;
+                    amx_products_2x2(a, a + 16 * K, K * 2, 64, b0, b1, 1024, K / 32, 1, 1);
+                    _tile_stored(0, t, 64);
+                    put_rows(t, y, (int)y_bf16, r0, n0, M, N);
+                    _tile_stored(1, t, 64);
+                    put_rows(t, y, (int)y_bf16, r0, n0 + 16, M, N);
+                    _tile_stored(2, t, 64);
+                    put_rows(t, y, (int)y_bf16, r0 + 16, n0, M, N);
+                    _tile_stored(3, t, 64);
+                    put_rows(t, y, (int)y_bf16, r0 + 16, n0 + 16, M, N);
+                }
             }
         }
         _tile_release();

@@ -89,18 +89,6 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t n) {
     for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up + r * 2 * n, gate_up + r * 2 * n + n, out + r * n, n);
 }
 
-#if VEC_W == 16
-/* 16 lanes of float32 -> bfloat16 as f32_to_bf16 rounds them (NaN to 0x7fc0) */
-static inline __m256i bf16_round16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);
-}
-#endif
 
 /* The fused qkv projection [T, heads, D] (float32, or bfloat16 when in_bf16: a bf16 model's oneDNN
  * product) into float32 `out`, its first rot_heads heads (the queries' and the keys') rotated by

@@ -58,6 +58,17 @@ static inline vecf vecf_load_bf16(const uint16_t *p) {
 }
 
 #if VEC_W == 16
+/* 16 lanes of float32 -> bfloat16 as f32_to_bf16 rounds them (NaN to 0x7fc0); cpu_kernels.c, cpu_amx.c */
+static inline __m256i bf16_round16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 /* e^x for 16 lanes: 2^k e^r with k = round(x log2 e) and r = x - k ln 2 (ln 2 split in two), e^r by
  * its Taylor polynomial to r^7 (|r| <= ln 2 / 2: relative error ~1e-8, below float32's ulp), scaled
  * by 2^k in one vscalefps; x clamped to [-104, 88.7], so the answer stays finite (a NaN x stays NaN:

@@ -328,7 +328,12 @@ class BF16Linear(QuantLinear):
     Xeon cores 8 rows, against the 4 that a Zen 4 had given (``FEW_ROWS``, the default). Where the
     processor has AMX tiles, past the C kernels and up to ``cpu_kernels.AMX_ROWS`` rows the weight
     packed into tiles once (``amx``) is multiplied by a kernel of ours that streams it at the memory's
-    rate (decode steps of 16-64 requests; oneDNN's AMX kernels read it ~1.5x slower there).
+    rate (decode steps of 16-64 requests; oneDNN's AMX kernels read it ~1.5x slower there). Past
+    those rows, a second kernel of ours runs the rows past each thread's half of the tiles
+    (``amx_gemm_bf16_many``, prefill steps) up to ``amx_rows``, which the model measures per shape on
+    the machine (``cpu_measured.amx_rows_for``): oneDNN kept one of 2 AMX Xeon cores idle at many row
+    counts (SmolLM2's o and down projections at 384-768 rows), and led only on its widest shape and
+    from ~1,536 rows.
     """
 
     FEW_ROWS = 4
@@ -346,6 +351,9 @@ class BF16Linear(QuantLinear):
         self.kernels = None
         self.packed = None
         self.amx = None  # the weight in AMX's tiles (cpu_kernels.amx_pack), where the processor has them
+        # up to this many rows, the tiles (past the C kernels' few_rows): AMX_ROWS, or more where measured
+        # faster than oneDNN for this shape on this machine (the model sets it: cpu_measured.amx_rows_for)
+        self.amx_rows = None
         self.few_rows = self.FEW_ROWS  # up to this many rows, the C kernels (the model sets it: cpu_measured)
         if weight.device.type == "cpu":
             from pdserve.engine.cpu_kernels import amx_pack, load_kernels
@@ -396,7 +404,7 @@ class BF16Linear(QuantLinear):
         than ``AMX_ROWS`` rows, a dtype or layout the kernel does not read)."""
         from pdserve.engine.cpu_kernels import AMX_ROWS, amx_gemm
 
-        if (self.amx is None or x.dim() != 2 or x.shape[0] > AMX_ROWS or not x.is_contiguous()
+        if (self.amx is None or x.dim() != 2 or x.shape[0] > (self.amx_rows or AMX_ROWS) or not x.is_contiguous()
                 or x.dtype not in (torch.float32, torch.bfloat16) or dtype not in (torch.float32, torch.bfloat16)):
             return None
         return amx_gemm(self.kernels, self.amx, self.out_features, x, dtype)
@@ -407,7 +415,7 @@ class BF16Linear(QuantLinear):
         from pdserve.engine.cpu_kernels import AMX_ROWS
 
         path = "onednn bf16" if self.packed is not None else "torch bf16"
-        return path if self.amx is None else f"amx bf16 to {AMX_ROWS} rows, then {path}"
+        return path if self.amx is None else f"amx bf16 to {self.amx_rows or AMX_ROWS} rows, then {path}"
 
     @classmethod
     def padded_rows(cls, rows: int) -> int:
@@ -421,7 +429,7 @@ class BF16Linear(QuantLinear):
 
         if self.packed is None:
             return None
-        return max(self.few_rows, AMX_ROWS if self.amx is not None else 0) + 1
+        return max(self.few_rows, (self.amx_rows or AMX_ROWS) if self.amx is not None else 0) + 1
 
 
 # ---- fp8 ----------------------------------------------------------------------------------
