@@ -116,13 +116,14 @@ def load_kernels() -> ctypes.CDLL | None:
         "amx_pack_bf16": [ptr, ptr, i64, i64],
         "amx_gemm_bf16": [ptr, i64, ptr, ptr, i64, i64, i64, i64],
         "amx_gemm_bf16_many": [ptr, i64, ptr, ptr, i64, i64, i64, i64],
+        "amx_swiglu_bf16": [ptr, i64, ptr, ptr, i64, i64, i64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     for name in ("paged_decode_f32", "paged_prefill_f32", "paged_attention_f32_fits", "paged_prefill_bf16_products",
                  "qdot_available", "qdot_gemm_q4", "qdot_gemm_q8", "amx_gemm_available", "amx_gemm_bf16",
-                 "amx_gemm_bf16_many"):
+                 "amx_gemm_bf16_many", "amx_swiglu_bf16"):
         getattr(lib, name).restype = ctypes.c_int
     return lib
 
@@ -247,6 +248,17 @@ def amx_gemm(lib: ctypes.CDLL, packed: torch.Tensor, n: int, x: torch.Tensor,
     kernel = lib.amx_gemm_bf16 if m <= AMX_ROWS else lib.amx_gemm_bf16_many
     failed = kernel(x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(), out.data_ptr(),
                     int(out_dtype == torch.bfloat16), m, n, k)
+    return None if failed else out
+
+
+def amx_swiglu(lib: ctypes.CDLL, packed: torch.Tensor, n: int, x: torch.Tensor) -> torch.Tensor | None:
+    """SwiGLU of ``x W^T`` for a fused gate_up W (``amx_pack``'s, ``n`` rows: gate then up) on AMX
+    tiles, applied as the tiles are stored: ``[M, n / 2]`` bfloat16, equal bit for bit to ``silu_mul``
+    of ``amx_gemm``'s bfloat16 product. ``x`` contiguous float32 or bfloat16. None where it does not run."""
+    m, k = x.shape
+    out = torch.empty(m, n // 2, dtype=torch.bfloat16)
+    failed = lib.amx_swiglu_bf16(x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(), out.data_ptr(),
+                                 m, n, k)
     return None if failed else out
 
 

@@ -30,6 +30,9 @@ Two choices use it:
   cores oneDNN ran some shapes at some row counts on one core (SmolLM2's o and down projections at
   384-768 rows, its qkv at 768-1,024: no faster than on one thread), our kernel at ~2.1-2.4 TFLOP/s
   throughout; oneDNN led on the 3,072-wide gate_up and from ~1,536 rows (up to 2.9).
+- **a bf16 MLP's SwiGLU in the AMX kernel's stores** (``swiglu_rows_for``): up to how many rows
+  gate_up and SwiGLU are one pass over the tiles, rather than the product (on its path above) and
+  then ``silu_mul``.
 """
 
 from __future__ import annotations
@@ -163,45 +166,92 @@ def few_rows_for(layer: list, threads: int) -> int:
 
 
 AMX_CANDIDATES = (128, 256, 384, 512, 768, 1024, 1536, 2048)
+SWIGLU_CANDIDATES = (32, 64, 128, 256, 512, 1024, 2048)
 AMX_ROUNDS = 5
+
+
+def _race(make: Callable[[int], tuple[Callable, Callable]], candidates: tuple[int, ...]) -> dict:
+    """Each candidate's (ours, theirs) seconds, ``make(rows)`` giving the two calls: the best of
+    ``AMX_ROUNDS`` rounds, each timing every candidate both ways (the first call of each, which builds
+    oneDNN's kernel for the shape, untimed)."""
+    with torch.inference_mode():
+        calls = {rows: make(rows) for rows in candidates}
+        for ours, theirs in calls.values():
+            ours(), theirs()
+        seconds = {rows: (float("inf"), float("inf")) for rows in candidates}
+        for _ in range(AMX_ROUNDS):
+            for rows, (ours, theirs) in calls.items():
+                best_ours, best_theirs = seconds[rows]
+                seconds[rows] = (min(best_ours, _timed(ours)), min(best_theirs, _timed(theirs)))
+    return seconds
+
+
+def least_time_limit(seconds: dict[int, tuple[float, float]]) -> int:
+    """The row limit whose choice, ours up to it and theirs past it, takes the least time over the
+    candidates, each counted as its time over theirs (each row count weighs alike: a 128-row step is
+    as common as a 2,048-row one); 0: theirs throughout. Ties go to the lower limit."""
+    cost = {0: float(len(seconds))}
+    for limit in seconds:
+        cost[limit] = sum(a / b if rows <= limit else 1.0 for rows, (a, b) in seconds.items())
+    return min(cost, key=lambda limit: (cost[limit], limit))
 
 
 def measure_amx_rows(module, candidates: tuple[int, ...] = AMX_CANDIDATES) -> tuple[int, dict]:
     """``(rows, seconds)`` for one ``BF16Linear`` with AMX tiles: up to how many rows (0: none past
-    the decode kernel's) its AMX kernel should take, and each candidate's (AMX, oneDNN) seconds, the
-    best of ``AMX_ROUNDS`` rounds. The threshold is the one whose choice, AMX up to it and oneDNN
-    past it, takes the least time over the candidates summed as ratios (each row count weighs alike:
-    a 128-row step is as common as a 2,048-row one)."""
+    the decode kernel's) its AMX kernel should take (``least_time_limit``), and each candidate's
+    (AMX, oneDNN) seconds."""
     from pdserve.engine.cpu_kernels import amx_gemm
     from pdserve.engine.model import onednn_linear
 
     gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        calls = {}
-        for rows in candidates:
-            x = torch.randn(rows, module.in_features, generator=gen).to(torch.bfloat16)
-            calls[rows] = (lambda x=x: amx_gemm(module.kernels, module.amx, module.out_features, x, torch.bfloat16),
-                           lambda x=x: onednn_linear(x, module.packed, module.padded_rows))
-            calls[rows][1]()  # oneDNN builds its kernel for the shape on the first call
-        seconds = {rows: (float("inf"), float("inf")) for rows in candidates}
-        for _ in range(AMX_ROUNDS):
-            for rows, (amx, dnn) in calls.items():
-                best_amx, best_dnn = seconds[rows]
-                seconds[rows] = (min(best_amx, _timed(amx)), min(best_dnn, _timed(dnn)))
-    cost = {0: sum(1.0 for _ in candidates)}  # (oneDNN's time over itself at every candidate)
-    for limit in candidates:
-        cost[limit] = sum(a / d if rows <= limit else 1.0 for rows, (a, d) in seconds.items())
-    return min(cost, key=lambda limit: (cost[limit], limit)), seconds
+
+    def make(rows: int) -> tuple[Callable, Callable]:
+        x = torch.randn(rows, module.in_features, generator=gen).to(torch.bfloat16)
+        return (lambda: amx_gemm(module.kernels, module.amx, module.out_features, x, torch.bfloat16),
+                lambda: onednn_linear(x, module.packed, module.padded_rows))
+
+    seconds = _race(make, candidates)
+    return least_time_limit(seconds), seconds
+
+
+def measure_swiglu_rows(gate_up, candidates: tuple[int, ...] = SWIGLU_CANDIDATES) -> tuple[int, dict]:
+    """``(rows, seconds)`` for a bf16 MLP's fused gate_up (a ``BF16Linear`` with AMX tiles): up to how
+    many rows SwiGLU goes in the tile kernel's stores (``amx_swiglu``) rather than after the product
+    (``product_bf16`` on its measured path, then ``silu_mul``), and each candidate's (fused, apart)
+    seconds."""
+    from pdserve.engine.cpu_kernels import amx_swiglu, silu_mul
+
+    gen = torch.Generator().manual_seed(0)
+    lib = gate_up.kernels
+
+    def make(rows: int) -> tuple[Callable, Callable]:
+        x = torch.randn(rows, gate_up.in_features, generator=gen).to(torch.bfloat16)
+        return (lambda: amx_swiglu(lib, gate_up.amx, gate_up.out_features, x),
+                lambda: silu_mul(lib, gate_up.product_bf16(x)))
+
+    seconds = _race(make, candidates)
+    return least_time_limit(seconds), seconds
+
+
+def _kept_rows(what: str, measure: Callable[[object], tuple[int, dict]], module, threads: int) -> int:
+    def timed() -> tuple[int, str]:
+        rows, seconds = measure(module)
+        return rows, (f"{module.out_features} x {module.in_features}, ours against theirs, ms: "
+                      + ", ".join(f"{r} rows {a * 1e3:.3f}/{b * 1e3:.3f}" for r, (a, b) in seconds.items()))
+
+    build = Path(module.kernels._name).stem
+    return kept(what, machine_key(f"{threads} threads", (module.out_features, module.in_features), build), timed)
 
 
 def amx_rows_for(module, threads: int) -> int:
     """Up to how many rows ``module``'s shape goes through the AMX kernels on this machine (``kept``,
     ``measure_amx_rows``); 0: past the decode kernel's rows, oneDNN."""
-    def timed() -> tuple[int, str]:
-        rows, seconds = measure_amx_rows(module)
-        return rows, (f"{module.out_features} x {module.in_features}, AMX against oneDNN, ms: "
-                      + ", ".join(f"{r} rows {a * 1e3:.3f}/{d * 1e3:.3f}" for r, (a, d) in seconds.items()))
+    return _kept_rows("most rows of a bf16 projection on AMX tiles (more: oneDNN)",
+                      lambda m: measure_amx_rows(m), module, threads)
 
-    build = Path(module.kernels._name).stem
-    return kept("most rows of a bf16 projection on AMX tiles (more: oneDNN)",
-                machine_key(f"{threads} threads", (module.out_features, module.in_features), build), timed)
+
+def swiglu_rows_for(gate_up, threads: int) -> int:
+    """Up to how many rows a bf16 MLP of ``gate_up``'s shape applies SwiGLU in the AMX kernel's stores
+    on this machine (``kept``, ``measure_swiglu_rows``); 0: never."""
+    return _kept_rows("most rows of a bf16 MLP's SwiGLU fused into its AMX gate_up (more: apart)",
+                      lambda m: measure_swiglu_rows(m), gate_up, threads)

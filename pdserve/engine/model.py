@@ -304,10 +304,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bf16_swiglu:
             # bf16 weights (quantization bf16): past the C kernels' rows, gate_up's bfloat16 product goes
-            # through SwiGLU into the down projection without being widened to float32 and rounded back
-            gate_up = self.gate_up_proj.product_bf16(x)
-            if gate_up is not None:
-                h = cpu_kernels.silu_mul(self.kernels, gate_up)
+            # through SwiGLU into the down projection without being widened to float32 and rounded back;
+            # where measured faster (AMX tiles), SwiGLU is applied as the product's tiles are stored
+            h = self.gate_up_proj.swiglu_bf16(x)
+            if h is None:
+                gate_up = self.gate_up_proj.product_bf16(x)
+                h = cpu_kernels.silu_mul(self.kernels, gate_up) if gate_up is not None else None
+            if h is not None:
                 down = self.down_proj.product_bf16(h)
                 return down.to(x.dtype) if down is not None else self.down_proj(h.to(x.dtype))
         gate_up = self.gate_up_proj(x)
@@ -415,6 +418,15 @@ class LlamaForCausalLM(nn.Module):
                     if key not in shapes:
                         shapes[key] = max(AMX_ROWS, cpu_measured.amx_rows_for(module, threads))
                     module.amx_rows = shapes[key]
+        fused: dict[tuple[int, int], int] = {}  # and SwiGLU in the AMX gate_up's stores: up to how many rows
+        for layer in self.layers:
+            mlp = getattr(layer, "mlp", None)
+            gate_up = mlp.gate_up_proj if isinstance(mlp, MLP) and mlp.bf16_swiglu else None
+            if gate_up is not None and gate_up.amx is not None and gate_up.packed is not None:
+                key = (gate_up.out_features, gate_up.in_features)
+                if key not in fused:
+                    fused[key] = cpu_measured.swiglu_rows_for(gate_up, threads)
+                gate_up.swiglu_rows = fused[key] or None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens.weight)

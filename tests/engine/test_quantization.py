@@ -166,6 +166,52 @@ def test_bf16_swiglu_stays_in_bfloat16_and_equals_the_widened_path():
     assert mlp.gate_up_proj.product_bf16(x[:3]) is None  # the C kernels' rows: float32 all through
 
 
+def test_bf16_swiglu_fused_into_the_amx_gate_up_equals_swiglu_after_it():
+    """Where the processor has AMX tiles, a bf16 MLP's SwiGLU can be applied as gate_up's tiles are
+    stored (``amx_swiglu``, up to the gate_up's measured ``swiglu_rows``): bit for bit ``silu_mul`` over
+    the tiles' own bfloat16 product (every row count, tails past the last 32 rows, float32 or bfloat16
+    x), NaN included, and the MLP's output equals the unfused path's where that product comes from the
+    tiles too."""
+    from pdserve.engine import cpu_kernels
+    from pdserve.engine.config import PRESETS
+    from pdserve.engine.model import MLP
+    from pdserve.engine.quant.formats import BF16Linear
+
+    lib = cpu_kernels.load_kernels()
+    gen = torch.Generator().manual_seed(5)
+    cfg = PRESETS["tiny"]
+    gate_up = BF16Linear(torch.randn(2 * cfg.intermediate_size, cfg.hidden_size, generator=gen) * 0.2)
+    if lib is None or gate_up.amx is None:
+        pytest.skip("no AMX tiles here (or the ISA is capped below them)")
+    n = gate_up.out_features
+    for rows in (1, 9, 31, 32, 33, 64, 65, 100, 300):
+        for x in (torch.randn(rows, cfg.hidden_size, generator=gen) * 3,
+                  (torch.randn(rows, cfg.hidden_size, generator=gen) * 3).bfloat16()):
+            if rows == 9:
+                x[0, 0] = float("nan")
+            product = cpu_kernels.amx_gemm(lib, gate_up.amx, n, x.contiguous(), torch.bfloat16)
+            want = cpu_kernels.silu_mul(lib, product)
+            got = cpu_kernels.amx_swiglu(lib, gate_up.amx, n, x.contiguous())
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, n // 2)
+            nan = want.isnan()
+            assert torch.equal(got.isnan(), nan) and nan.any() == (rows == 9)
+            assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), rows
+
+    mlp = MLP(cfg)
+    mlp.gate_up_proj = gate_up
+    mlp.down_proj = BF16Linear(torch.randn(cfg.hidden_size, cfg.intermediate_size, generator=gen) * 0.05)
+    mlp.kernels, mlp.bf16_swiglu = lib, True  # (as LlamaForCausalLM.prepare_for_cpu sets them)
+    gate_up.amx_rows = 4096  # the unfused product from the tiles as well
+    for rows in (3, 40, 200):
+        x = torch.randn(rows, cfg.hidden_size, generator=gen)
+        gate_up.swiglu_rows = None
+        apart = mlp(x)
+        gate_up.swiglu_rows = 128
+        fused = gate_up.swiglu_bf16(x)
+        assert (fused is not None) == (gate_up.few_rows < rows <= 128)
+        assert torch.equal(mlp(x), apart), rows
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_linear_close_to_float(weight_and_input, group):
     w, x = weight_and_input

@@ -141,23 +141,43 @@ int amx_gemm_bf16(const void *x, int64_t x_bf16, const uint16_t *w, void *y, int
 #endif
 }
 
+/* rows [r0, min(r0 + 16, M)) of SwiGLU over the 16 x 16 tiles tg (gate) and tu (up) into h's columns
+ * [n0, n0 + 16) (h [M][n] bfloat16): each product rounded to bfloat16 and widened, as oneDNN's bf16
+ * gate_up would be, then silu_mul_bf16's arithmetic (silu_mul16) and rounding, so the answer equals
+ * that kernel's over this file's product, bit for bit. */
+#if AMX_BUILT
+static inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+static void put_swiglu(const float *tg, const float *tu, uint16_t *h, int64_t r0, int64_t n0, int64_t M, int64_t n) {
+    for (int64_t r = r0; r < r0 + 16 && r < M; r++) {
+        const __m512 g = widen16(bf16_round16(_mm512_load_ps(tg + (r - r0) * 16)));
+        const __m512 u = widen16(bf16_round16(_mm512_load_ps(tu + (r - r0) * 16)));
+        _mm256_storeu_si256((__m256i *)(h + r * n + n0), bf16_round16(silu_mul16(g, u)));
+    }
+}
+#endif
+
 /* amx_gemm_bf16 for any number of rows (a bf16 model's prefill projections), the same answer: past
  * AMX_ROWS, oneDNN's bf16 matmul left one of the two cores idle at many row counts (SmolLM2's o and down
  * projections at 384-768 rows, its qkv at 768-1,024: no faster on 2 threads than on 1, 2 AMX Xeon cores),
- * and its per-shape kernels need the rows padded to buckets. Each thread takes its own half of W's
- * 32-column blocks (balanced, whatever M) and runs AMX_MC rows of x at a time past each block: the
+ * and its per-shape kernels need the rows padded to buckets. Each thread takes its own share of W's
+ * column blocks (balanced, whatever M) and runs AMX_MC rows of x at a time past each block: the
  * block's tiles come from memory once per AMX_MC rows and from cache for each 32 rows after the first.
  * x in bfloat16 is read in place but for its last M % 32 rows (copied, padded with zeros); float32 x
- * is rounded to bfloat16 first, both threads sharing the rows. Returns -1 (y untouched) where it does
- * not run (not built or granted AMX, N or K not a multiple of 32, no memory for the copy); else 0. */
-#define AMX_MC 512
-int amx_gemm_bf16_many(const void *x, int64_t x_bf16, const uint16_t *w, void *y, int64_t y_bf16, int64_t M,
-                       int64_t N, int64_t K) {
+ * is rounded to bfloat16 first, both threads sharing the rows.
+ * swiglu (W a fused [2n][K] gate_up, y [M][n] bfloat16): each block is 16 columns of the gate and the
+ * same 16 of the up projection, and SwiGLU is applied as the tiles are stored (put_swiglu): the
+ * [M][2n] product is never written (at 2,048 rows 12.6 MB, and silu_mul_bf16 read it back).
+ * Returns -1 (y untouched) where it does not run (not built or granted AMX, N or K not a multiple of
+ * 32, no memory for the copy); else 0. */
+#define AMX_MC 256
+static int many_rows(const void *x, int64_t x_bf16, const uint16_t *w, void *y, int64_t y_bf16, int64_t M, int64_t N,
+                     int64_t K, int swiglu) {
 #if AMX_BUILT
     if (!amx_granted() || M < 1 || N % 32 || K % 32) return -1;
     const int64_t M32 = (M + 31) / 32 * 32, full = x_bf16 ? M / 32 * 32 : 0; /* rows read in place */
     uint16_t *xs = aligned_alloc(64, sizeof(uint16_t) * ((M32 - full) * K + 32)); /* (+32: never size 0) */
     if (xs == NULL) return -1;
+    const int64_t tiles_k = (K / 32) * 512, n = N / 2; /* a 16-column block's tiles; swiglu's h width */
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -172,25 +192,35 @@ int amx_gemm_bf16_many(const void *x, int64_t x_bf16, const uint16_t *w, void *y
                     _mm256_storeu_si256((__m256i *)(dst + k), bf16_round16(_mm512_loadu_ps((const float *)x + r * K + k)));
         }
         amx_configure();
-        const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num(), NB = N / 32;
-        const int64_t nb0 = NB * me / nt, nb1 = NB * (me + 1) / nt;
-        float t[16 * 16] __attribute__((aligned(64)));
+        const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num(), units = swiglu ? n / 16 : N / 32;
+        const int64_t u0 = units * me / nt, u1 = units * (me + 1) / nt;
+        float t[16 * 16] __attribute__((aligned(64))), t2[16 * 16] __attribute__((aligned(64)));
         for (int64_t m0 = 0; m0 < M32; m0 += AMX_MC) {
             const int64_t m1 = m0 + AMX_MC < M32 ? m0 + AMX_MC : M32;
-            for (int64_t nb = nb0; nb < nb1; nb++) {
-                const uint16_t *b0 = w + 2 * nb * (K / 32) * 512, *b1 = b0 + (K / 32) * 512;
-                const int64_t n0 = nb * 32;
+            for (int64_t u = u0; u < u1; u++) {
+                /* the unit's two 16-column B blocks: gate and up (swiglu), else two neighbours */
+                const uint16_t *b0 = w + (swiglu ? u : 2 * u) * tiles_k;
+                const uint16_t *b1 = swiglu ? w + (n / 16 + u) * tiles_k : b0 + tiles_k;
                 for (int64_t r0 = m0; r0 < m1; r0 += 32) {
                     const uint16_t *a = r0 < full ? (const uint16_t *)x + r0 * K : xs + (r0 - full) * K;
                     amx_products_2x2(a, a + 16 * K, K * 2, 64, b0, b1, 1024, K / 32, 1, 1);
+                    if (swiglu) {
+                        _tile_stored(0, t, 64);
+                        _tile_stored(1, t2, 64);
+                        put_swiglu(t, t2, y, r0, u * 16, M, n);
+                        _tile_stored(2, t, 64);
+                        _tile_stored(3, t2, 64);
+                        put_swiglu(t, t2, y, r0 + 16, u * 16, M, n);
+                        continue;
+                    }
                     _tile_stored(0, t, 64);
-                    put_rows(t, y, (int)y_bf16, r0, n0, M, N);
+                    put_rows(t, y, (int)y_bf16, r0, u * 32, M, N);
                     _tile_stored(1, t, 64);
-                    put_rows(t, y, (int)y_bf16, r0, n0 + 16, M, N);
+                    put_rows(t, y, (int)y_bf16, r0, u * 32 + 16, M, N);
                     _tile_stored(2, t, 64);
-                    put_rows(t, y, (int)y_bf16, r0 + 16, n0, M, N);
+                    put_rows(t, y, (int)y_bf16, r0 + 16, u * 32, M, N);
                     _tile_stored(3, t, 64);
-                    put_rows(t, y, (int)y_bf16, r0 + 16, n0 + 16, M, N);
+                    put_rows(t, y, (int)y_bf16, r0 + 16, u * 32 + 16, M, N);
                 }
             }
         }
@@ -199,7 +229,18 @@ int amx_gemm_bf16_many(const void *x, int64_t x_bf16, const uint16_t *w, void *y
     free(xs);
     return 0;
 #else
-    (void)x, (void)x_bf16, (void)w, (void)y, (void)y_bf16, (void)M, (void)N, (void)K;
+    (void)x, (void)x_bf16, (void)w, (void)y, (void)y_bf16, (void)M, (void)N, (void)K, (void)swiglu;
     return -1;
 #endif
+}
+
+int amx_gemm_bf16_many(const void *x, int64_t x_bf16, const uint16_t *w, void *y, int64_t y_bf16, int64_t M,
+                       int64_t N, int64_t K) {
+    return many_rows(x, x_bf16, w, y, y_bf16, M, N, K, 0);
+}
+
+/* h [M][N / 2] bfloat16 = SwiGLU(x W^T) for a fused gate_up W [N][K] packed by amx_pack_bf16, any M
+ * (see many_rows): equal, bit for bit, to silu_mul_bf16 over amx_gemm_bf16_many's bfloat16 product. */
+int amx_swiglu_bf16(const void *x, int64_t x_bf16, const uint16_t *w, uint16_t *h, int64_t M, int64_t N, int64_t K) {
+    return many_rows(x, x_bf16, w, h, 1, M, N, K, 1);
 }

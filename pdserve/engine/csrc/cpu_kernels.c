@@ -63,15 +63,7 @@ void rms_norm_f32(const void *x, const float *residual, float *residual_out, con
  * With AVX-512, 16 lanes at a time through vec_exp16 and a reciprocal refined once (glibc's vector
  * expf and a division took 0.87 ms for 2,048 x 1,536 outputs on 2 AMX Xeon cores, ~8% of a bf16
  * model's prefill step); the tail, and other processors, as written. */
-#if VEC_W == 16
-/* g / (1 + e^-g) * u for 16 lanes: the reciprocal from vrcp14ps (14 bits) and one Newton step */
-static inline __m512 silu_mul16(__m512 g, __m512 u) {
-    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), vec_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
-    __m512 y = _mm512_rcp14_ps(d);
-    y = _mm512_mul_ps(y, _mm512_fnmadd_ps(d, y, _mm512_set1_ps(2.0f)));
-    return _mm512_mul_ps(_mm512_mul_ps(g, y), u);
-}
-#endif
+/* (silu_mul16: cpu_vec.h) */
 
 static inline void silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
     int64_t i = 0;

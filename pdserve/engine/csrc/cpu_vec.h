@@ -91,6 +91,15 @@ static inline __m512 vec_exp16(__m512 x) {
     return _mm512_scalef_ps(p, k);
 }
 
+/* g / (1 + e^-g) * u for 16 lanes (SwiGLU: cpu_kernels.c, and cpu_amx.c's fused gate_up): the
+ * reciprocal from vrcp14ps (14 bits) and one Newton step */
+static inline __m512 silu_mul16(__m512 g, __m512 u) {
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), vec_exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    __m512 y = _mm512_rcp14_ps(d);
+    y = _mm512_mul_ps(y, _mm512_fnmadd_ps(d, y, _mm512_set1_ps(2.0f)));
+    return _mm512_mul_ps(_mm512_mul_ps(g, y), u);
+}
+
 /* 2^y for y <= 0 where the answer is rounded to bfloat16 after (an attention's probabilities with
  * bf16 products, its scores in base 2), zero in the lanes off `keep`: 2^floor(y) 2^f, 2^f on [0, 1) by
  * a degree-3 polynomial fitted for the least largest relative error (7.5e-5, a 26th of bfloat16's

@@ -354,6 +354,9 @@ class BF16Linear(QuantLinear):
         # up to this many rows, the tiles (past the C kernels' few_rows): AMX_ROWS, or more where measured
         # faster than oneDNN for this shape on this machine (the model sets it: cpu_measured.amx_rows_for)
         self.amx_rows = None
+        # a fused gate_up's: up to this many rows SwiGLU goes in the AMX kernel's stores (swiglu_bf16;
+        # the model measures it: cpu_measured.swiglu_rows_for); None: never
+        self.swiglu_rows = None
         self.few_rows = self.FEW_ROWS  # up to this many rows, the C kernels (the model sets it: cpu_measured)
         if weight.device.type == "cpu":
             from pdserve.engine.cpu_kernels import amx_pack, load_kernels
@@ -398,6 +401,18 @@ class BF16Linear(QuantLinear):
             return None
         out = self._amx(x, torch.bfloat16)
         return out if out is not None else onednn_linear(x.to(torch.bfloat16), self.packed, self.padded_rows)
+
+    def swiglu_bf16(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a fused gate_up projection: SwiGLU of ``x W^T`` in bfloat16, applied as the AMX tiles are
+        stored (``cpu_kernels.amx_swiglu``; the values ``silu_mul`` gives over the tiles' product), where
+        ``x``'s rows are past ``few_rows`` and up to ``swiglu_rows``; else None."""
+        from pdserve.engine.cpu_kernels import amx_swiglu
+
+        rows = x.shape[0]
+        if (self.amx is None or not self.swiglu_rows or not self.few_rows < rows <= self.swiglu_rows or x.dim() != 2
+                or not x.is_contiguous() or x.dtype not in (torch.float32, torch.bfloat16)):
+            return None
+        return amx_swiglu(self.kernels, self.amx, self.out_features, x)
 
     def _amx(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """``x W^T`` in ``dtype`` on AMX tiles, or None where they do not take ``x`` (no tiles here, more
