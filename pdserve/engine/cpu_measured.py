@@ -165,7 +165,7 @@ def few_rows_for(layer: list, threads: int) -> int:
                 machine_key(layer[0].path, f"{threads} threads", shapes, build), timed)
 
 
-AMX_CANDIDATES = (128, 256, 384, 512, 768, 1024, 1536, 2048)
+AMX_CANDIDATES = (128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
 SWIGLU_CANDIDATES = (32, 64, 128, 256, 512, 1024, 2048)
 AMX_ROUNDS = 5
 
@@ -233,25 +233,27 @@ def measure_swiglu_rows(gate_up, candidates: tuple[int, ...] = SWIGLU_CANDIDATES
     return least_time_limit(seconds), seconds
 
 
-def _kept_rows(what: str, measure: Callable[[object], tuple[int, dict]], module, threads: int) -> int:
+def _kept_rows(what: str, measure: Callable[..., tuple[int, dict]], candidates: tuple[int, ...], module,
+               threads: int) -> int:
     def timed() -> tuple[int, str]:
-        rows, seconds = measure(module)
+        rows, seconds = measure(module, candidates)
         return rows, (f"{module.out_features} x {module.in_features}, ours against theirs, ms: "
                       + ", ".join(f"{r} rows {a * 1e3:.3f}/{b * 1e3:.3f}" for r, (a, b) in seconds.items()))
 
     build = Path(module.kernels._name).stem
-    return kept(what, machine_key(f"{threads} threads", (module.out_features, module.in_features), build), timed)
+    shape = (module.out_features, module.in_features)
+    return kept(what, machine_key(f"{threads} threads", shape, f"rows {list(candidates)}", build), timed)
 
 
 def amx_rows_for(module, threads: int) -> int:
     """Up to how many rows ``module``'s shape goes through the AMX kernels on this machine (``kept``,
     ``measure_amx_rows``); 0: past the decode kernel's rows, oneDNN."""
     return _kept_rows("most rows of a bf16 projection on AMX tiles (more: oneDNN)",
-                      lambda m: measure_amx_rows(m), module, threads)
+                      lambda m, c: measure_amx_rows(m, c), AMX_CANDIDATES, module, threads)
 
 
 def swiglu_rows_for(gate_up, threads: int) -> int:
     """Up to how many rows a bf16 MLP of ``gate_up``'s shape applies SwiGLU in the AMX kernel's stores
     on this machine (``kept``, ``measure_swiglu_rows``); 0: never."""
     return _kept_rows("most rows of a bf16 MLP's SwiGLU fused into its AMX gate_up (more: apart)",
-                      lambda m: measure_swiglu_rows(m), gate_up, threads)
+                      lambda m, c: measure_swiglu_rows(m, c), SWIGLU_CANDIDATES, gate_up, threads)

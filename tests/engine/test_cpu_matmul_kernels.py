@@ -77,7 +77,8 @@ def test_bf16_weights_measure_their_own_threshold_and_the_model_sets_it(tmp_path
     rows, seconds = cpu_measured.measure(layer)  # the C kernel against oneDNN, both in bfloat16 weights
     assert set(seconds) == set(cpu_measured.CANDIDATES) and all(c > 0 and p > 0 for c, p in seconds.values())
     monkeypatch.setattr(cpu_measured, "measure", lambda layer: (12, {12: (1.0, 2.0)}))
-    monkeypatch.setattr(cpu_measured, "measure_amx_rows", lambda module: (256, {256: (1.0, 2.0)}))
+    monkeypatch.setattr(cpu_measured, "measure_amx_rows", lambda module, candidates: (256, {256: (1.0, 2.0)}))
+    monkeypatch.setattr(cpu_measured, "measure_swiglu_rows", lambda module, candidates: (64, {64: (1.0, 2.0)}))
     model.choose_few_rows(1)
     assert {m.few_rows for m in model.modules() if isinstance(m, BF16Linear)} == {12}
     # the layers' projections take the measured AMX rows (with tiles), any other (the head) AMX_ROWS
@@ -86,6 +87,10 @@ def test_bf16_weights_measure_their_own_threshold_and_the_model_sets_it(tmp_path
         if isinstance(m, BF16Linear):
             most = (256 if id(m) in in_layers else AMX_ROWS) if amx else 12
             assert m.onednn_rows == most + 1
+    gate_ups = {id(layer.mlp.gate_up_proj) for layer in model.layers}  # and SwiGLU fused up to 64 rows
+    assert {m.swiglu_rows for m in model.modules() if isinstance(m, BF16Linear)} == (
+        {None, 64} if amx else {None}) and all(m.swiglu_rows == (64 if amx else None)
+                                                for m in model.modules() if id(m) in gate_ups)
     x = torch.randn(12, layer[0].in_features)
     assert torch.equal(layer[0](x), layer[0].c_rows(x))  # 12 rows now through the C kernel
 
