@@ -14,7 +14,7 @@ with it: decode steps of 2-10 requests 1.6-2.4x slower): it is kept as provision
 ``PROVISIONAL_S``: the workers starting with it still agree, and the first process to start after
 that measures again.
 
-Two choices use it:
+Four choices use it:
 
 - **the few-rows threshold** (``few_rows_for``): up to how many rows a float32 projection (and,
   measured apart, a bfloat16 one: ``quant.formats.BF16Linear``, 8 on the AMX Xeon) goes
@@ -249,11 +249,11 @@ def amx_rows_for(module, threads: int) -> int:
     """Up to how many rows ``module``'s shape goes through the AMX kernels on this machine (``kept``,
     ``measure_amx_rows``); 0: past the decode kernel's rows, oneDNN."""
     return _kept_rows("most rows of a bf16 projection on AMX tiles (more: oneDNN)",
-                      lambda m, c: measure_amx_rows(m, c), AMX_CANDIDATES, module, threads)
+                      measure_amx_rows, AMX_CANDIDATES, module, threads)
 
 
 def swiglu_rows_for(gate_up, threads: int) -> int:
     """Up to how many rows a bf16 MLP of ``gate_up``'s shape applies SwiGLU in the AMX kernel's stores
     on this machine (``kept``, ``measure_swiglu_rows``); 0: never."""
     return _kept_rows("most rows of a bf16 MLP's SwiGLU fused into its AMX gate_up (more: apart)",
-                      lambda m, c: measure_swiglu_rows(m, c), SWIGLU_CANDIDATES, gate_up, threads)
+                      measure_swiglu_rows, SWIGLU_CANDIDATES, gate_up, threads)

@@ -407,26 +407,26 @@ class LlamaForCausalLM(nn.Module):
 
         measured(Linear, path_too=False)  # quantized projections have kernels of their own, but bf16's:
         measured(BF16Linear, path_too=True)  # (a bf16 weight that oneDNN cannot take: the C kernel to FEW_ROWS)
-        # bf16 projections on AMX tiles: up to how many rows, per shape of the layers' (the head keeps AMX_ROWS)
+        # bf16 projections on AMX tiles: up to how many rows, measured once per shape of the layers' projections
+        # (the head keeps AMX_ROWS), and a gate_up's fused SwiGLU
         from pdserve.engine.cpu_kernels import AMX_ROWS
 
-        shapes: dict[tuple[int, int], int] = {}
+        answers: dict[tuple, int] = {}
+
+        def per_shape(what: str, module, measure) -> int:
+            key = (what, module.out_features, module.in_features)
+            if key not in answers:
+                answers[key] = measure(module, threads)
+            return answers[key]
+
         for layer in self.layers:
             for module in layer.modules():
                 if type(module) is BF16Linear and module.amx is not None and module.packed is not None:
-                    key = (module.out_features, module.in_features)
-                    if key not in shapes:
-                        shapes[key] = max(AMX_ROWS, cpu_measured.amx_rows_for(module, threads))
-                    module.amx_rows = shapes[key]
-        fused: dict[tuple[int, int], int] = {}  # and SwiGLU in the AMX gate_up's stores: up to how many rows
-        for layer in self.layers:
+                    module.amx_rows = max(AMX_ROWS, per_shape("amx", module, cpu_measured.amx_rows_for))
             mlp = getattr(layer, "mlp", None)
             gate_up = mlp.gate_up_proj if isinstance(mlp, MLP) and mlp.bf16_swiglu else None
             if gate_up is not None and gate_up.amx is not None and gate_up.packed is not None:
-                key = (gate_up.out_features, gate_up.in_features)
-                if key not in fused:
-                    fused[key] = cpu_measured.swiglu_rows_for(gate_up, threads)
-                gate_up.swiglu_rows = fused[key] or None
+                gate_up.swiglu_rows = per_shape("swiglu", gate_up, cpu_measured.swiglu_rows_for) or None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens.weight)

@@ -47,6 +47,21 @@ static const tile_config_t tiles_16x64 __attribute__((aligned(64))) = {
 void amx_configure(void) { _tile_loadconfig(&tiles_16x64); }
 
 
+/* 16 bfloat16 values widened to float32 (each the upper half of one) */
+static inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+/* row r of x ([M][K], float32 or bfloat16 when x_bf16) into dst in bfloat16, rounded as f32_to_bf16
+ * rounds; zeros past the last row (the tiles read 16 or 32 rows at a time). K a multiple of 16. */
+static void x_row_bf16(uint16_t *dst, const void *x, int64_t x_bf16, int64_t r, int64_t M, int64_t K) {
+    if (r >= M)
+        memset(dst, 0, sizeof(uint16_t) * K);
+    else if (x_bf16)
+        memcpy(dst, (const uint16_t *)x + r * K, sizeof(uint16_t) * K);
+    else
+        for (int64_t k = 0; k < K; k += 16)
+            _mm256_storeu_si256((__m256i *)(dst + k), bf16_round16(_mm512_loadu_ps((const float *)x + r * K + k)));
+}
+
 /* rows [r0, min(r0 + 16, M)) of a 16 x 16 float32 tile t (row stride 16) into y at column n0, each
  * rounded to bfloat16 (bf16_round16, as f32_to_bf16 rounds): stored so (y_bf16), or widened back to
  * float32. 16 lanes a row: a value at a time, a 32-row x 3,072 tile pass took ~0.1 ms of stores. */
@@ -56,7 +71,7 @@ static void put_rows(const float *t, void *y, int y_bf16, int64_t r0, int64_t n0
         if (y_bf16)
             _mm256_storeu_si256((__m256i *)((uint16_t *)y + r * N + n0), h);
         else
-            _mm512_storeu_ps((float *)y + r * N + n0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+            _mm512_storeu_ps((float *)y + r * N + n0, widen16(h));
     }
 }
 #endif
@@ -100,12 +115,7 @@ int amx_gemm_bf16(const void *x, int64_t x_bf16, const uint16_t *w, void *y, int
     const int64_t M16 = (M + 15) / 16 * 16;
     uint16_t *xs = aligned_alloc(64, sizeof(uint16_t) * M16 * K); /* x in bfloat16, rows padded with zeros */
     if (xs == NULL) return -1;
-    for (int64_t r = 0; r < M; r++)
-        if (x_bf16)
-            memcpy(xs + r * K, (const uint16_t *)x + r * K, sizeof(uint16_t) * K);
-        else
-            for (int64_t k = 0; k < K; k++) xs[r * K + k] = f32_to_bf16(((const float *)x)[r * K + k]);
-    memset(xs + M * K, 0, sizeof(uint16_t) * (M16 - M) * K);
+    for (int64_t r = 0; r < M16; r++) x_row_bf16(xs + r * K, x, x_bf16, r, M, K);
 #pragma omp parallel
     {
         amx_configure();
@@ -146,7 +156,6 @@ int amx_gemm_bf16(const void *x, int64_t x_bf16, const uint16_t *w, void *y, int
  * gate_up would be, then silu_mul_bf16's arithmetic (silu_mul16) and rounding, so the answer equals
  * that kernel's over this file's product, bit for bit. */
 #if AMX_BUILT
-static inline __m512 widen16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 static void put_swiglu(const float *tg, const float *tu, uint16_t *h, int64_t r0, int64_t n0, int64_t M, int64_t n) {
     for (int64_t r = r0; r < r0 + 16 && r < M; r++) {
         const __m512 g = widen16(bf16_round16(_mm512_load_ps(tg + (r - r0) * 16)));
@@ -181,16 +190,7 @@ static int many_rows(const void *x, int64_t x_bf16, const uint16_t *w, void *y, 
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t r = full; r < M32; r++) {
-            uint16_t *dst = xs + (r - full) * K;
-            if (r >= M)
-                memset(dst, 0, sizeof(uint16_t) * K);
-            else if (x_bf16)
-                memcpy(dst, (const uint16_t *)x + r * K, sizeof(uint16_t) * K);
-            else
-                for (int64_t k = 0; k < K; k += 16)
-                    _mm256_storeu_si256((__m256i *)(dst + k), bf16_round16(_mm512_loadu_ps((const float *)x + r * K + k)));
-        }
+        for (int64_t r = full; r < M32; r++) x_row_bf16(xs + (r - full) * K, x, x_bf16, r, M, K);
         amx_configure();
         const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num(), units = swiglu ? n / 16 : N / 32;
         const int64_t u0 = units * me / nt, u1 = units * (me + 1) / nt;

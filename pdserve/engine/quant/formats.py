@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine import cpu_kernels
 from pdserve.engine.model import Linear, onednn_linear
 from pdserve.engine.quant import qdot
 
@@ -359,13 +360,11 @@ class BF16Linear(QuantLinear):
         self.swiglu_rows = None
         self.few_rows = self.FEW_ROWS  # up to this many rows, the C kernels (the model sets it: cpu_measured)
         if weight.device.type == "cpu":
-            from pdserve.engine.cpu_kernels import amx_pack, load_kernels
-
-            self.kernels = load_kernels()
+            self.kernels = cpu_kernels.load_kernels()
             if torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.qweight, None)
             if self.kernels is not None:
-                self.amx = amx_pack(self.kernels, self.qweight)
+                self.amx = cpu_kernels.amx_pack(self.kernels, self.qweight)
 
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float()
@@ -378,8 +377,6 @@ class BF16Linear(QuantLinear):
 
     def c_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 ``x W^T`` through the C kernels (a few contiguous float32 rows)."""
-        from pdserve.engine import cpu_kernels
-
         return cpu_kernels.gemm_rows(self.kernels, self.qweight, x)
 
     def many_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -402,35 +399,34 @@ class BF16Linear(QuantLinear):
         out = self._amx(x, torch.bfloat16)
         return out if out is not None else onednn_linear(x.to(torch.bfloat16), self.packed, self.padded_rows)
 
+    @property
+    def tile_rows(self) -> int:
+        """Up to how many rows the AMX tiles take (where the layer has them): ``amx_rows``, else AMX_ROWS."""
+        return self.amx_rows or cpu_kernels.AMX_ROWS
+
     def swiglu_bf16(self, x: torch.Tensor) -> torch.Tensor | None:
         """For a fused gate_up projection: SwiGLU of ``x W^T`` in bfloat16, applied as the AMX tiles are
         stored (``cpu_kernels.amx_swiglu``; the values ``silu_mul`` gives over the tiles' product), where
         ``x``'s rows are past ``few_rows`` and up to ``swiglu_rows``; else None."""
-        from pdserve.engine.cpu_kernels import amx_swiglu
-
         rows = x.shape[0]
         if (self.amx is None or not self.swiglu_rows or not self.few_rows < rows <= self.swiglu_rows or x.dim() != 2
                 or not x.is_contiguous() or x.dtype not in (torch.float32, torch.bfloat16)):
             return None
-        return amx_swiglu(self.kernels, self.amx, self.out_features, x)
+        return cpu_kernels.amx_swiglu(self.kernels, self.amx, self.out_features, x)
 
     def _amx(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """``x W^T`` in ``dtype`` on AMX tiles, or None where they do not take ``x`` (no tiles here, more
-        than ``AMX_ROWS`` rows, a dtype or layout the kernel does not read)."""
-        from pdserve.engine.cpu_kernels import AMX_ROWS, amx_gemm
-
-        if (self.amx is None or x.dim() != 2 or x.shape[0] > (self.amx_rows or AMX_ROWS) or not x.is_contiguous()
+        than ``tile_rows`` rows, a dtype or layout the kernel does not read)."""
+        if (self.amx is None or x.dim() != 2 or x.shape[0] > self.tile_rows or not x.is_contiguous()
                 or x.dtype not in (torch.float32, torch.bfloat16) or dtype not in (torch.float32, torch.bfloat16)):
             return None
-        return amx_gemm(self.kernels, self.amx, self.out_features, x, dtype)
+        return cpu_kernels.amx_gemm(self.kernels, self.amx, self.out_features, x, dtype)
 
     @property
     def path(self) -> str:
         """What multiplies past ``few_rows`` rows."""
-        from pdserve.engine.cpu_kernels import AMX_ROWS
-
         path = "onednn bf16" if self.packed is not None else "torch bf16"
-        return path if self.amx is None else f"amx bf16 to {self.amx_rows or AMX_ROWS} rows, then {path}"
+        return path if self.amx is None else f"amx bf16 to {self.tile_rows} rows, then {path}"
 
     @classmethod
     def padded_rows(cls, rows: int) -> int:
@@ -440,11 +436,9 @@ class BF16Linear(QuantLinear):
     @property
     def onednn_rows(self) -> int | None:
         """From how many rows oneDNN multiplies (the warm-up builds each count's kernel); None: never."""
-        from pdserve.engine.cpu_kernels import AMX_ROWS
-
         if self.packed is None:
             return None
-        return max(self.few_rows, (self.amx_rows or AMX_ROWS) if self.amx is not None else 0) + 1
+        return max(self.few_rows, self.tile_rows if self.amx is not None else 0) + 1
 
 
 # ---- fp8 ----------------------------------------------------------------------------------
