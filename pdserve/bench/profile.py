@@ -75,6 +75,12 @@ class ProfileConfig:
     roofline: str = doc("", "write a modelled (roofline) profile for this hardware instead of measuring: "
                             + ", ".join(HARDWARE) + " (with --shape)")
     shape: str = doc("", "--roofline: the model shape, a preset: " + ", ".join(PRESETS))
+    from_trace: str = doc("", "fit the profile to the steps of serving workers instead of measuring: their "
+                              "--step-trace files, comma-separated (no engine run here)")
+    transfer_from: str = doc("", "--from-trace: take the KV transfer models from this profile (a trace holds no "
+                                 "transfers; default: none)")
+    trace_skip_s: float = doc(5.0, "--from-trace: leave out each trace's steps in its first seconds (a worker's "
+                                   "first steps build oneDNN's kernels)")
     plot: str = doc("", "also write a PNG of predicted against measured step times here")
     seed: int = doc(0, "seed of the random prompts and of the hold-out split")
 
@@ -90,12 +96,22 @@ class ProfileConfig:
         if unknown:
             raise ConfigError(f"--transfer-backends: unknown {unknown}; known: "
                               f"{sorted([*MEASURED_BACKENDS, *UNMEASURED_BACKENDS])}")
+        if self.from_trace and self.roofline:
+            raise ConfigError("--from-trace and --roofline: one source of a profile at a time")
+        if self.transfer_from and not self.from_trace:
+            raise ConfigError("--transfer-from goes with --from-trace (a measured profile measures its own)")
+        if self.trace_skip_s < 0:
+            raise ConfigError(f"--trace-skip-s must not be negative, got {self.trace_skip_s}")
         if self.max_seconds <= 0:
             raise ConfigError(f"--max-seconds must be positive, got {self.max_seconds}")
 
     @property
     def backends(self) -> list[str]:
         return [b.strip() for b in self.transfer_backends.split(",") if b.strip()]
+
+    @property
+    def traces(self) -> list[str]:
+        return [t.strip() for t in self.from_trace.split(",") if t.strip()]
 
     @property
     def model_spec(self) -> str:

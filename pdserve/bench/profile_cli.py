@@ -28,6 +28,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     samples: list[StepSample] = []
     if config.roofline:
         profile = roofline_profile(config)
+    elif config.from_trace:
+        from pdserve.bench.step_trace import profile_from_traces
+
+        transfer = Profile.load(config.transfer_from) if config.transfer_from else None
+        profile, samples = profile_from_traces(config.traces, transfer, config.seed, config.trace_skip_s,
+                                               config.transfer_from)
     else:
         profile, samples = measure(config)
     profile.save(config.output)
@@ -110,6 +116,8 @@ def add_commands(sub) -> None:
                     "32-2048; mixed steps), time each, and fit step time = overhead + prefill tokens + attention "
                     "pairs + decode sequences + decode context; time KV transfers per backend. Writes a versioned "
                     "JSON profile with the hardware and model it was measured on (`pdserve sim` reads it). "
+                    "With --from-trace: the same fit to the steps serving workers ran (their --step-trace), so "
+                    "the profile holds the cluster's speed, not the engine's alone. "
                     "With --roofline HW --shape PRESET: a modelled profile from a hardware description instead, "
                     "no engine run.")
     add_arguments(p, ProfileConfig, skip=("output",))
