@@ -41,6 +41,13 @@ over the profile's prediction. A shared host's speed drifts by several percent o
 is simulated again with the profile at the mean of the probes around it, and both errors are printed:
 the first is the validation, the second shows how much of it the machine's drift explains.
 
+Each worker writes its engine's steps to a trace (``--step-trace``, in --result-dir/traces): each run
+then prints how long the workers' own steps took against the profile's prediction for the same steps, and
+at the end every run is simulated once more with a profile fitted to the steps the workers ran in all the
+*other* runs (`pdserve profile --from-trace`'s fit; leave one out): the error left when the simulator
+runs at the speed the engine has in this cluster (beside its router, the bench client and the other
+worker on two cores) rather than alone.
+
 ``--decisions``: every routing decision logged, the real router's and the simulator's, as the same
 line (``pdserve.router.cost.describe_pick``), to see where the simulated router decided otherwise.
 """
@@ -217,11 +224,16 @@ def run_real(setup: Setup, rates: list[float], slo: SLO, args, probe: SpeedProbe
     (its prefill rate, its decode step), and a cluster kept from the last rate routed the next rate's first
     requests by those figures where the simulated router had the cost model's defaults."""
     runs, roles = [], list(setup.roles)
+    traces = Path(args.result_dir) / "traces"
     for i, rate in enumerate(rates):
         speed = probe.measure(profile) if probe else None
         if runs and speed is not None:
             runs[-1]["speed"].append(speed)
-        with pd_goodput.cluster(roles, setup.router_flags(), setup.worker_flags(),
+        cell = f"{setup.name}-{rate:g}"
+        for old in traces.glob(f"{cell}-*.jsonl"):
+            old.unlink()
+        trace_flags = ["--step-trace", str(traces / f"{cell}-{{pid}}.jsonl")]
+        with pd_goodput.cluster(roles, setup.router_flags(), [*setup.worker_flags(), *trace_flags],
                                 "DEBUG" if args.decisions else "WARNING") as url:
             config = workload(url, rate, i, args)
             before, started = router_decisions(url), time.perf_counter()
@@ -230,6 +242,7 @@ def run_real(setup: Setup, rates: list[float], slo: SLO, args, probe: SpeedProbe
             runs.append({"config": config, "rate": rate, "summary": run["summary"], "records": run["records"],
                          "seconds": time.perf_counter() - started, "speed": [] if speed is None else [speed],
                          "decisions": {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}})
+        runs[-1]["traces"] = sorted(str(p) for p in traces.glob(f"{cell}-*.jsonl"))  # written as the workers stop
         s = run["summary"]
         print(f"  {setup.name} @ {rate:g} req/s: {s.completed} done, {s.failed} failed, attainment "
               f"{100 * s.slo_attainment:.0f}%, {runs[-1]['seconds']:.0f} s"
@@ -306,6 +319,52 @@ def at_probe_speed(measured: dict[str, float], config: SimConfig, profile: Profi
     return {"speed": speed, "factor": factor, "simulated": simulated, "errors": errors}
 
 
+def trace_speeds(paths: list[str], profile: Profile) -> dict[str, float]:
+    """Each worker's steps in a run (its step trace) against the profile: measured over predicted seconds,
+    by the worker's role (a colocated pair: decode, decode#2). Printed."""
+    from pdserve.bench.step_trace import read_trace, speed_against
+
+    speeds: dict[str, float] = {}
+    for path in paths:
+        header, steps = read_trace(path)
+        role = header.get("role", "?")
+        name = role if role not in speeds else f"{role}#{sum(k.startswith(role) for k in speeds) + 1}"
+        speeds[name] = speed_against(profile, steps)
+    if speeds:
+        print("the workers' own steps took " + ", ".join(f"{x:.3f}x ({k})" for k, x in speeds.items())
+              + " the profile's time for them")
+    return speeds
+
+
+def cross_validate(results: dict, profile: Profile, slo: SLO, tokenizer, args) -> dict[str, list[float]]:
+    """Each run simulated again with a profile fitted to the steps the cluster's workers ran in every
+    *other* run (their step traces; leave one out, so no run is simulated with its own steps): the error
+    left when the simulator runs at the speed the engine has in this cluster, beside its router, client
+    and the other worker, rather than alone. Adds ``from_traces`` to each row; returns the errors by metric."""
+    from pdserve.bench.step_trace import profile_from_traces
+
+    cells = [(setup, row) for setup in setups(args) for row in results[setup.name]["rows"]]
+    errors: dict[str, list[float]] = {}
+    print("\neach run simulated with a profile fitted to the workers' steps in the other runs (leave one out):")
+    for i, (setup, row) in enumerate(cells):
+        others = [p for j, (_, r) in enumerate(cells) if j != i for p in r["traces"]["paths"]]
+        if not others:
+            continue
+        fitted, _ = profile_from_traces(others, profile, args.seed, args.trace_skip_s, "the run's profile")
+        rate_index = [float(x) for x in args.rates.split(",")].index(row["rate"])
+        requests = requests_from_bench(workload("http://unused", row["rate"], rate_index, args), row["rate"],
+                                       tokenizer)
+        simulated = figures(run_simulated(sim_config(setup, fitted), fitted, requests, slo)[0])
+        errs = {k: error(row["measured"][k], simulated[k], k) for k in row["measured"] if k not in PERCENTS}
+        row["from_traces"] = {"simulated": simulated, "errors": errs, "steps": fitted.fit["samples"],
+                              "speed": trace_speeds(row["traces"]["paths"], fitted)}
+        print(f"  {setup.name} @ {row['rate']:g} req/s: "
+              + ", ".join(f"{k.replace(' (ms)', '')} {e:+.1f}%" for k, e in errs.items()))
+        for k, e in errs.items():
+            errors.setdefault(k, []).append(e)
+    return errors
+
+
 def validate_setup(setup: Setup, rates: list[float], slo: SLO, profile: Profile, tokenizer, args,
                    probe: SpeedProbe | None = None) -> dict:
     mode = setup.name
@@ -320,6 +379,7 @@ def validate_setup(setup: Setup, rates: list[float], slo: SLO, profile: Profile,
         if real["speed"]:
             rows[-1]["at_probe_speed"] = at_probe_speed(rows[-1]["measured"], config, profile, requests, slo,
                                                         real["speed"])
+        rows[-1]["traces"] = {"paths": real["traces"], "speed": trace_speeds(real["traces"], profile)}
     attained = [(r["measured"]["SLO attainment (%)"] / 100, r["simulated"]["SLO attainment (%)"] / 100) for r in rows]
     good_m = goodput_rate(rates, [a for a, _ in attained])
     good_s = goodput_rate(rates, [b for _, b in attained])
@@ -368,9 +428,17 @@ def resimulate(path: str, profile_path: str | None) -> dict[str, list[float]]:
                 speed = rows[rate]["at_probe_speed"]["speed"]
                 for k, e in at_probe_speed(measured, config, profile, requests, slo, speed)["errors"].items():
                     at_speed_errors.setdefault(k, []).append(e)
+    traced = [path for mode in recorded["modes"].values() for row in mode["rows"]
+              for path in row.get("traces", {}).get("paths", [])]
+    from_traces = {}
+    if traced and all(Path(p).exists() for p in traced):
+        args.trace_skip_s = getattr(args, "trace_skip_s", 5.0)
+        from_traces = cross_validate(recorded["modes"], profile, slo, tokenizer, args)
     print("\nwithin 10%: " + within(errors))
     if at_speed_errors:
         print("within 10% at the probes' speed: " + within(at_speed_errors))
+    if from_traces:
+        print("within 10% with profiles fitted to the workers' steps in the other runs: " + within(from_traces))
     return errors
 
 
@@ -419,6 +487,9 @@ def parse_args():
                    help="skip the speed probe (a 1,024-token prompt and 16 decode steps on an engine of the "
                         "profile's, before each run and after the last: the machine's speed against the profile, "
                         "and each run simulated again at that speed)")
+    p.add_argument("--trace-skip-s", type=float, default=5.0,
+                   help="leave out each worker's steps in its first seconds when fitting a profile to the "
+                        "workers' step traces (their first steps build oneDNN's kernels; default: 5)")
     p.add_argument("--decisions", action="store_true",
                    help="log every routing decision, the real router's (its --log-level DEBUG, on stderr) and "
                         "the simulator's, in one format (router/cost.py describe_pick): what each knew of every "
@@ -469,13 +540,24 @@ def main() -> None:
     probe = None if args.no_speed_probe else SpeedProbe(args.seed)
     results = {setup.name: validate_setup(setup, rates, slo, profile, tokenizer, args, probe)
                for setup in setups(args)}
+    summary = {"profile": {k: [row["errors"][k] for r in results.values() for row in r["rows"]]
+                           for k, _, _ in METRICS}}
+    probed = [row["at_probe_speed"]["errors"] for r in results.values() for row in r["rows"]
+              if "at_probe_speed" in row]
+    if probed:
+        summary["at_probe_speed"] = {k: [e[k] for e in probed] for k in probed[0]}
+    summary["from_traces"] = cross_validate(results, profile, slo, tokenizer, args)
+    print()
+    for name, errors in summary.items():
+        print(f"within 10% ({name}): " + within(errors))
     elapsed = time.perf_counter() - started
     print(f"\ntook {elapsed / 60:.1f} minutes")
     path = Path(args.result_dir) / ("sim_validate.json" if args.experiment == "pd" else "sim_validate_prefix.json")
     path.write_text(json.dumps({
         "cpu_flags": describe_cpu(), "args": vars(args), "seconds": elapsed, "profile": profile.to_json(),
         "slo": dataclasses.asdict(slo), "unloaded": {"measured": unloaded, "simulated": sim_unloaded},
-        "modes": results}, indent=1, default=str))
+        "modes": results, "within_10pct": {name: within(errors) for name, errors in summary.items()}},
+        indent=1, default=str))
     print(f"wrote {path}")
 
 
