@@ -139,6 +139,19 @@ def get_profile(args) -> Profile:
     return profile
 
 
+def request_overhead(profile: Profile, args) -> Profile:
+    """The profile with a request's time outside engine steps (`pdserve profile --serving-url`'s
+    measurement) measured through a cluster of one worker pinned to one core, as the runs' workers are."""
+    from pdserve.bench.profile import with_request_overhead
+
+    with pd_goodput.cluster(["decode"]) as url:
+        profile = with_request_overhead(profile, url, seed=args.seed)
+    path = Path(args.result_dir) / "sim_validate_profile.json"
+    profile.save(path)
+    print(f"a request outside engine steps: {1e3 * profile.request_overhead_s:.1f} ms (rewrote {path})")
+    return profile
+
+
 class SpeedProbe:
     """How fast this machine computes now, against the profile: a 1,024-token prompt's step and 16 decode
     steps of one 512-token sequence on an engine of the profile's (one thread, pinned to the first core,
@@ -242,7 +255,8 @@ def run_real(setup: Setup, rates: list[float], slo: SLO, args, probe: SpeedProbe
             runs.append({"config": config, "rate": rate, "summary": run["summary"], "records": run["records"],
                          "seconds": time.perf_counter() - started, "speed": [] if speed is None else [speed],
                          "decisions": {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}})
-        runs[-1]["traces"] = sorted(str(p) for p in traces.glob(f"{cell}-*.jsonl"))  # written as the workers stop
+        # written as the workers stop; kept relative to --result-dir, so a copied result dir resimulates
+        runs[-1]["traces"] = sorted(str(p.relative_to(args.result_dir)) for p in traces.glob(f"{cell}-*.jsonl"))
         s = run["summary"]
         print(f"  {setup.name} @ {rate:g} req/s: {s.completed} done, {s.failed} failed, attainment "
               f"{100 * s.slo_attainment:.0f}%, {runs[-1]['seconds']:.0f} s"
@@ -319,14 +333,15 @@ def at_probe_speed(measured: dict[str, float], config: SimConfig, profile: Profi
     return {"speed": speed, "factor": factor, "simulated": simulated, "errors": errors}
 
 
-def trace_speeds(paths: list[str], profile: Profile) -> dict[str, float]:
-    """Each worker's steps in a run (its step trace) against the profile: measured over predicted seconds,
-    by the worker's role (a colocated pair: decode, decode#2). Printed."""
+def trace_speeds(paths: list[str], profile: Profile, base: Path) -> dict[str, float]:
+    """Each worker's steps in a run (its step trace; ``paths`` relative to ``base``, the result dir) against
+    the profile: measured over predicted seconds, by the worker's role (a colocated pair: decode, decode#2).
+    Printed."""
     from pdserve.bench.step_trace import read_trace, speed_against
 
     speeds: dict[str, float] = {}
     for path in paths:
-        header, steps = read_trace(path)
+        header, steps = read_trace(base / path)
         role = header.get("role", "?")
         name = role if role not in speeds else f"{role}#{sum(k.startswith(role) for k in speeds) + 1}"
         speeds[name] = speed_against(profile, steps)
@@ -336,18 +351,19 @@ def trace_speeds(paths: list[str], profile: Profile) -> dict[str, float]:
     return speeds
 
 
-def cross_validate(results: dict, profile: Profile, slo: SLO, tokenizer, args) -> dict[str, list[float]]:
+def cross_validate(results: dict, profile: Profile, slo: SLO, tokenizer, args, base: Path) -> dict[str, list[float]]:
     """Each run simulated again with a profile fitted to the steps the cluster's workers ran in every
     *other* run (their step traces; leave one out, so no run is simulated with its own steps): the error
     left when the simulator runs at the speed the engine has in this cluster, beside its router, client
-    and the other worker, rather than alone. Adds ``from_traces`` to each row; returns the errors by metric."""
+    and the other worker, rather than alone. Adds ``from_traces`` to each row; returns the errors by metric.
+    ``base``: the result dir the rows' trace paths are relative to."""
     from pdserve.bench.step_trace import profile_from_traces
 
     cells = [(setup, row) for setup in setups(args) for row in results[setup.name]["rows"]]
     errors: dict[str, list[float]] = {}
     print("\neach run simulated with a profile fitted to the workers' steps in the other runs (leave one out):")
     for i, (setup, row) in enumerate(cells):
-        others = [p for j, (_, r) in enumerate(cells) if j != i for p in r["traces"]["paths"]]
+        others = [base / p for j, (_, r) in enumerate(cells) if j != i for p in r["traces"]["paths"]]
         if not others:
             continue
         fitted, _ = profile_from_traces(others, profile, args.seed, args.trace_skip_s, "the run's profile")
@@ -357,7 +373,7 @@ def cross_validate(results: dict, profile: Profile, slo: SLO, tokenizer, args) -
         simulated = figures(run_simulated(sim_config(setup, fitted), fitted, requests, slo)[0])
         errs = {k: error(row["measured"][k], simulated[k], k) for k in row["measured"] if k not in PERCENTS}
         row["from_traces"] = {"simulated": simulated, "errors": errs, "steps": fitted.fit["samples"],
-                              "speed": trace_speeds(row["traces"]["paths"], fitted)}
+                              "speed": trace_speeds(row["traces"]["paths"], fitted, base)}
         print(f"  {setup.name} @ {row['rate']:g} req/s: "
               + ", ".join(f"{k.replace(' (ms)', '')} {e:+.1f}%" for k, e in errs.items()))
         for k, e in errs.items():
@@ -379,7 +395,8 @@ def validate_setup(setup: Setup, rates: list[float], slo: SLO, profile: Profile,
         if real["speed"]:
             rows[-1]["at_probe_speed"] = at_probe_speed(rows[-1]["measured"], config, profile, requests, slo,
                                                         real["speed"])
-        rows[-1]["traces"] = {"paths": real["traces"], "speed": trace_speeds(real["traces"], profile)}
+        rows[-1]["traces"] = {"paths": real["traces"],
+                              "speed": trace_speeds(real["traces"], profile, Path(args.result_dir))}
     attained = [(r["measured"]["SLO attainment (%)"] / 100, r["simulated"]["SLO attainment (%)"] / 100) for r in rows]
     good_m = goodput_rate(rates, [a for a, _ in attained])
     good_s = goodput_rate(rates, [b for _, b in attained])
@@ -431,9 +448,10 @@ def resimulate(path: str, profile_path: str | None) -> dict[str, list[float]]:
     traced = [path for mode in recorded["modes"].values() for row in mode["rows"]
               for path in row.get("traces", {}).get("paths", [])]
     from_traces = {}
-    if traced and all(Path(p).exists() for p in traced):
+    base = Path(path).parent
+    if traced and all((base / p).exists() for p in traced):
         args.trace_skip_s = getattr(args, "trace_skip_s", 5.0)
-        from_traces = cross_validate(recorded["modes"], profile, slo, tokenizer, args)
+        from_traces = cross_validate(recorded["modes"], profile, slo, tokenizer, args, base)
     print("\nwithin 10%: " + within(errors))
     if at_speed_errors:
         print("within 10% at the probes' speed: " + within(at_speed_errors))
@@ -483,6 +501,10 @@ def parse_args():
                    help="simulate a recorded run's requests again (its sim_validate*.json) against its measured "
                         "figures, with its profile or --profile; starts no cluster, takes the workload flags "
                         "from the JSON")
+    p.add_argument("--no-request-overhead", action="store_true",
+                   help="leave a request's time outside engine steps out of the profile (by default it is measured "
+                        "first through a one-worker cluster, as `pdserve profile --serving-url` measures it, unless "
+                        "--profile has it)")
     p.add_argument("--no-speed-probe", action="store_true",
                    help="skip the speed probe (a 1,024-token prompt and 16 decode steps on an engine of the "
                         "profile's, before each run and after the last: the machine's speed against the profile, "
@@ -525,6 +547,8 @@ def main() -> None:
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
     print(describe_cpu())
     profile = get_profile(args)
+    if not args.no_request_overhead and not profile.request_overhead_s:
+        profile = request_overhead(profile, args)
     from pdserve.bench.profile_cli import table
     from pdserve.engine.tokenizer import load_tokenizer
 
@@ -546,7 +570,7 @@ def main() -> None:
               if "at_probe_speed" in row]
     if probed:
         summary["at_probe_speed"] = {k: [e[k] for e in probed] for k in probed[0]}
-    summary["from_traces"] = cross_validate(results, profile, slo, tokenizer, args)
+    summary["from_traces"] = cross_validate(results, profile, slo, tokenizer, args, Path(args.result_dir))
     print()
     for name, errors in summary.items():
         print(f"within 10% ({name}): " + within(errors))

@@ -10,7 +10,8 @@ An engine step's time is modelled as a linear function of what the step computes
            + per_decode_context_s  x decode_context      (keys those requests read: their contexts)
 
 and shipping a prompt's KV from a prefill to a decode worker as ``overhead_s + bytes x
-s_per_byte`` per transfer backend. A profile is either **measured** (the real engine's steps on
+s_per_byte`` per transfer backend; a request's time outside engine steps before its first token (router,
+dispatch, the way back) as ``request_overhead_s``. A profile is either **measured** (the real engine's steps on
 some machine, least squares; `pdserve profile`) or **modelled** (a roofline from a hardware
 description and a model shape, for machines not at hand; marked as such).
 
@@ -111,8 +112,14 @@ class Profile:
     fit: dict = field(default_factory=dict)  # samples, r2, mean_abs_pct_error, max_abs_pct_error
     created: str = ""
     version: int = PROFILE_VERSION
+    # A request's time outside engine steps before its first token: the router's handling, the dispatch
+    # to a worker, the first token's way back (measured through a server: `pdserve profile --serving-url`;
+    # 0: not measured). The simulator delays each request's entry into the cluster by it.
+    request_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.request_overhead_s < 0:
+            raise ValueError(f"profile request_overhead_s: must not be negative, got {self.request_overhead_s}")
         if self.kind not in KINDS:
             raise ValueError(f"profile kind: {self.kind!r} is not one of {list(KINDS)}")
         if "kv_bytes_per_token" not in self.model:
@@ -168,7 +175,7 @@ class Profile:
             transfer = {k: TransferModel(**v) for k, v in data.get("transfer", {}).items()}
             return cls(kind=data["kind"], model=dict(data["model"]), hardware=dict(data["hardware"]), step=step,
                        transfer=transfer, fit=dict(data.get("fit", {})), created=data.get("created", ""),
-                       version=version)
+                       version=version, request_overhead_s=float(data.get("request_overhead_s", 0.0)))
         except (KeyError, TypeError) as e:
             raise ValueError(f"{source}: not a pdserve profile ({e})") from e
 

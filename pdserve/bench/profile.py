@@ -40,6 +40,7 @@ from pdserve.bench.latency_model import (
     StepFeatures,
     StepModel,
     TransferModel,
+    chunk_pairs,
     features_of,
     fit_step_model,
     roofline,
@@ -77,10 +78,15 @@ class ProfileConfig:
     shape: str = doc("", "--roofline: the model shape, a preset: " + ", ".join(PRESETS))
     from_trace: str = doc("", "fit the profile to the steps of serving workers instead of measuring: their "
                               "--step-trace files, comma-separated (no engine run here)")
-    transfer_from: str = doc("", "--from-trace: take the KV transfer models from this profile (a trace holds no "
-                                 "transfers; default: none)")
+    transfer_from: str = doc("", "--from-trace: take the KV transfer models (and request overhead) from this "
+                                 "profile (a trace holds neither; default: none)")
     trace_skip_s: float = doc(5.0, "--from-trace: leave out each trace's steps in its first seconds (a worker's "
                                    "first steps build oneDNN's kernels)")
+    serving_url: str = doc("", "also measure a request's time outside engine steps through the OpenAI server (a "
+                               "router) at this URL serving the profile's model: the median TTFT of short prompts "
+                               "sent one at a time, less the profile's step for them (the simulator adds it to "
+                               "every request; default: not measured)")
+    serving_samples: int = doc(8, "--serving-url: how many short prompts (after one warm-up)")
     plot: str = doc("", "also write a PNG of predicted against measured step times here")
     seed: int = doc(0, "seed of the random prompts and of the hold-out split")
 
@@ -100,6 +106,10 @@ class ProfileConfig:
             raise ConfigError("--from-trace and --roofline: one source of a profile at a time")
         if self.transfer_from and not self.from_trace:
             raise ConfigError("--transfer-from goes with --from-trace (a measured profile measures its own)")
+        if self.serving_url and self.roofline:
+            raise ConfigError("--serving-url measures a server here; a modelled (--roofline) profile has none")
+        if self.serving_samples < 1:
+            raise ConfigError(f"--serving-samples must be at least 1, got {self.serving_samples}")
         if self.trace_skip_s < 0:
             raise ConfigError(f"--trace-skip-s must not be negative, got {self.trace_skip_s}")
         if self.max_seconds <= 0:
@@ -409,6 +419,44 @@ def measure_transfers(engine, backends: list[str], sizes: list[int],
         models[backend] = fit_transfer(points)
         notes[backend] += f"; {len(points)} transfers of {min(sizes)}-{max(sizes)} tokens"
     return models, notes
+
+
+# ---- a request's time outside engine steps -----------------------------------------------------
+
+OVERHEAD_PROMPT = 16  # tokens of the short prompts: their step is a small, well-predicted part of their TTFT
+
+
+def measure_request_overhead(profile: Profile, url: str, samples: int = 8, seed: int = 0) -> tuple[float, dict]:
+    """A request's time outside engine steps before its first token, through the server at ``url``: the
+    median TTFT of ``samples`` prompts of ``OVERHEAD_PROMPT`` random tokens (one output token, one at a
+    time, after a warm-up) less ``profile``'s step for such a prompt; never below 0. Returns it (seconds)
+    and what was measured."""
+    import statistics
+
+    from pdserve.bench.api import run_bench
+    from pdserve.bench.config import BenchConfig
+
+    config = BenchConfig(base_url=url, progress=False, dataset_name="random", random_input_len=OVERHEAD_PROMPT,
+                         random_output_len=1, num_prompts=samples, max_concurrency=1, warmup_requests=1,
+                         seed=seed)
+    run = asyncio.run(run_bench(config)).runs[0]
+    ttfts = [r.ttft for r in run["records"] if r.ok and not r.warmup and r.ttft is not None]
+    if not ttfts:
+        errors = sorted({r.error for r in run["records"] if r.error})
+        raise RuntimeError(f"--serving-url {url}: no request got a first token ({', '.join(errors) or 'none sent'})")
+    step = profile.step_s(StepFeatures(OVERHEAD_PROMPT, chunk_pairs(0, OVERHEAD_PROMPT)))
+    ttft = statistics.median(ttfts)
+    details = {"url": url, "requests": len(ttfts), "prompt_tokens": OVERHEAD_PROMPT, "median_ttft_s": ttft,
+               "predicted_step_s": step}
+    return max(ttft - step, 0.0), details
+
+
+def with_request_overhead(profile: Profile, url: str, samples: int = 8, seed: int = 0) -> Profile:
+    """``profile`` with its request overhead measured through ``url`` (``measure_request_overhead``)."""
+    import dataclasses
+
+    overhead, details = measure_request_overhead(profile, url, samples, seed)
+    return dataclasses.replace(profile, request_overhead_s=overhead, fit={**profile.fit, "request_overhead": details})
 
 
 # ---- what it ran on ----------------------------------------------------------------------------

@@ -36,6 +36,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
                                                config.transfer_from)
     else:
         profile, samples = measure(config)
+    if config.serving_url:
+        from pdserve.bench.profile import with_request_overhead
+
+        profile = with_request_overhead(profile, config.serving_url, config.serving_samples, config.seed)
     profile.save(config.output)
     print(table(profile))
     print(f"wrote {config.output}")
@@ -79,6 +83,11 @@ def table(profile: Profile) -> str:
         lines.append(f"fit: {fit['note']}")
     lines.append("predicted:")
     lines += [f"  {seconds(profile.step_s(f)):>10}  {label}" for label, f in EXAMPLES]
+    if "request_overhead" in fit:
+        o = fit["request_overhead"]
+        lines.append(f"  {seconds(profile.request_overhead_s):>10}  a request outside engine steps (through "
+                     f"{o['url']}: median TTFT {seconds(o['median_ttft_s'])} of {o['requests']} prompts of "
+                     f"{o['prompt_tokens']} tokens, less their step)")
     for backend, t in sorted(profile.transfer.items()):
         lines.append(f"  {seconds(profile.transfer_s(2048, backend)):>10}  KV of 2048 tokens over {backend} "
                      f"({seconds(t.overhead_s)} + {t.s_per_byte * 1e9:.3g} s/GB)")

@@ -126,7 +126,7 @@ def profile_from_traces(paths: list[str | Path], transfer_from: Profile | None =
                         skip_s: float = 0.0, transfer_source: str = "another profile") -> tuple[Profile, list]:
     """A measured profile fitted to the steps of the traces (``profile.fit_with_holdout``), with the model
     and hardware of the first trace's header (the traces must be of one model), and the KV transfer models
-    of ``transfer_from`` (a trace holds no transfers; ``transfer_source`` names it). ``skip_s``: each
+    and request overhead of ``transfer_from`` (a trace holds neither; ``transfer_source`` names it). ``skip_s``: each
     trace's steps that ended in its first seconds left out (a worker's first steps build oneDNN's
     kernels). Returns the profile and the samples."""
     from pdserve.bench.profile import StepSample, _now, fit_with_holdout
@@ -149,8 +149,11 @@ def profile_from_traces(paths: list[str | Path], transfer_from: Profile | None =
     transfer = dict(transfer_from.transfer) if transfer_from is not None else {}
     if transfer_from is not None:
         fit["transfer"] = {k: f"from {transfer_source}" for k in transfer}
+    overhead = transfer_from.request_overhead_s if transfer_from is not None else 0.0
+    if overhead:
+        fit["request_overhead"] = {**transfer_from.fit.get("request_overhead", {}), "from": transfer_source}
     profile = Profile("measured", dict(headers[0]["model"]), dict(headers[0]["hardware"]), step, transfer, fit,
-                      _now())
+                      _now(), request_overhead_s=overhead)
     return profile, samples
 
 

@@ -51,6 +51,23 @@ def run_checked(config: SimConfig, requests: list[SimRequest]):
     return result
 
 
+def test_the_profiles_request_overhead_delays_each_request_and_not_its_gaps():
+    """A request enters the cluster the profile's request overhead after it was sent: its first token and its
+    end come that much later, its gaps between tokens do not."""
+    requests = [SimRequest(0, 0.0, list(range(100, 300)), 5), SimRequest(1, 2.0, list(range(400, 500)), 3)]
+    plain = simulate(SimConfig(), PROFILE, requests).records
+    late = simulate(SimConfig(), dataclasses.replace(PROFILE, request_overhead_s=0.025), requests).records
+    for a, b in zip(plain, late, strict=True):
+        assert b.start == a.start and b.ttft == pytest.approx(a.ttft + 0.025)
+        assert b.latency == pytest.approx(a.latency + 0.025) and b.itl == pytest.approx(a.itl)
+    data = dataclasses.replace(PROFILE, request_overhead_s=0.025).to_json()
+    assert Profile.from_json(data).request_overhead_s == 0.025
+    del data["request_overhead_s"]  # a profile written before it was measured: none
+    assert Profile.from_json(data).request_overhead_s == 0.0
+    with pytest.raises(ValueError, match="request_overhead_s: must not be negative, got -1"):
+        dataclasses.replace(PROFILE, request_overhead_s=-1.0)
+
+
 def test_one_request_on_one_replica_takes_the_profiles_step_times():
     result = run_checked(SimConfig(), [SimRequest(0, 0.0, list(range(100, 300)), 5)])
     r = result.records[0]

@@ -37,3 +37,19 @@ def test_the_profile_at_the_probes_speed_scales_every_step_and_no_transfer():
     for f in (StepFeatures(1024, 1024 * 1025 // 2), StepFeatures(decode_seqs=4, decode_context=2048)):
         assert abs(slower.step_s(f) - 1.07 * profile.step_s(f)) < 1e-9
     assert slower.transfer == profile.transfer and slower.model == profile.model
+
+
+def test_a_recorded_run_with_step_traces_is_simulated_again_with_profiles_fitted_to_them():
+    """The Xeon run of the pd experiment, its workers' step traces committed beside it: each cell simulated
+    with a profile fitted to the other cells' traces (leave one out), every time metric within 10%."""
+    recorded = ROOT / "docs" / "bench" / "sim_validate" / "pd_8_xeon_traces" / "sim_validate.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_validate.py"), "--resimulate", str(recorded)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    speeds = re.findall(r"^the workers' own steps took (.*) the profile's time for them$", out, re.M)
+    assert len(speeds) == 6 and all(re.fullmatch(r"[\d.]+x \((decode|prefill)\), [\d.]+x \(decode(#2)?\)", s)
+                                    for s in speeds), speeds
+    fitted = re.search(r"^within 10% with profiles fitted to the workers' steps in the other runs: (.*)$", out, re.M)
+    assert fitted.group(1) == ("TTFT p50 (ms) 6 of 6, TTFT p90 (ms) 6 of 6, TPOT p50 (ms) 6 of 6, "
+                               "TPOT p90 (ms) 6 of 6"), fitted.group(1)

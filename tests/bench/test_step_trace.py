@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import grpc
@@ -148,3 +150,29 @@ def test_the_profile_command_fits_traces_and_refuses_what_does_not_go_together(t
     assert "--transfer-from goes with --from-trace" in capsys.readouterr().err
     assert main(["profile", "--from-trace", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_a_requests_time_outside_engine_steps_is_measured_through_a_server(tmp_path):
+    """Against the timing-only mock server (first token at once): the overhead is the client's own and the
+    loopback's, small and positive; a profile predicting a slower step than the TTFT measured gives 0."""
+    from pdserve.bench.profile import measure_request_overhead, with_request_overhead
+    from tests.bench.test_failures import completed, wait_for
+    from tests.integration.conftest import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.bench.mock_server", "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: completed(url) is not None, 60, "the mock server to answer")
+        instant = Profile("measured", {"name": "m", "kv_bytes_per_token": 64}, {}, StepModel(0, 0, 0, 0, 0))
+        profile = with_request_overhead(instant, url, samples=3)
+        assert 0 < profile.request_overhead_s < 1.0
+        assert profile.fit["request_overhead"]["requests"] == 3 and profile.step == instant.step
+        assert measure_request_overhead(dataclasses.replace(instant, step=StepModel(10, 0, 0, 0, 0)), url, 2)[0] == 0
+        write_known_trace(tmp_path / "a.jsonl")
+        fitted, _ = profile_from_traces([tmp_path / "a.jsonl"], profile, transfer_source="p.json")
+        assert fitted.request_overhead_s == profile.request_overhead_s  # carried with the transfers
+    finally:
+        proc.kill()
+        proc.wait()
+    assert main(["profile", "--serving-url", url, "--roofline", "h200", "--shape", "tiny"]) == 2
