@@ -79,13 +79,13 @@ class ProfileConfig:
     from_trace: str = doc("", "fit the profile to the steps of serving workers instead of measuring: their "
                               "--step-trace files, comma-separated (no engine run here)")
     transfer_from: str = doc("", "--from-trace: take the KV transfer models (and request overhead) from this "
-                                 "profile (a trace holds neither; default: none)")
+                                 "profile (a trace holds neither; empty: none)")
     trace_skip_s: float = doc(5.0, "--from-trace: leave out each trace's steps in its first seconds (a worker's "
                                    "first steps build oneDNN's kernels)")
     serving_url: str = doc("", "also measure a request's time outside engine steps through the OpenAI server (a "
                                "router) at this URL serving the profile's model: the median TTFT of short prompts "
                                "sent one at a time, less the profile's step for them (the simulator adds it to "
-                               "every request; default: not measured)")
+                               "every request; empty: not measured)")
     serving_samples: int = doc(8, "--serving-url: how many short prompts (after one warm-up)")
     plot: str = doc("", "also write a PNG of predicted against measured step times here")
     seed: int = doc(0, "seed of the random prompts and of the hold-out split")

@@ -7,9 +7,10 @@ what they take there. A trace records them, so that a profile can be fitted to t
 ran (the simulator then runs at the cluster's speed, not the engine's alone), and so that a run can be
 checked against the profile it was simulated with, step by step.
 
-A worker started with ``--step-trace PATH`` writes (``{pid}`` in PATH: its process id):
+A worker started with ``pdserve worker ROLE --step-trace PATH`` writes (``{pid}`` in PATH: its process id):
 
-    {"pdserve_step_trace": 1, "role": ..., "worker_id": ..., "started": ISO time, "model": {...}, "hardware": {...}}
+    {"pdserve_step_trace": 1, "role": ..., "worker_id": ..., "pid": ..., "started": ISO time, "model": {...},
+     "hardware": {...}}
     [t, seconds, prefill_tokens, prefill_pairs, decode_seqs, decode_context]
     ...
 
@@ -82,11 +83,14 @@ class StepTraceWriter:
                 self._file.close()
 
 
-def start_trace(engine, template: str, role: str, worker_id: str) -> StepTraceWriter:
-    """A trace of ``engine``'s (an LLMEngine's) steps from now on, at ``template`` (see ``trace_path``)."""
+def start_trace(engine, template: str, role: str, worker_id: str = "") -> StepTraceWriter:
+    """A trace of ``engine``'s (an LLMEngine's) steps from now on, at ``template`` (see ``trace_path``): the
+    engine's ``step_observer``. ``pdserve worker --step-trace`` starts one as it builds the engine and closes
+    it when the worker stops."""
     from pdserve.bench.profile import hardware_info, model_info
 
-    header = {"role": role, "worker_id": worker_id, "started": datetime.now(UTC).isoformat(timespec="seconds"),
+    header = {"role": role, "worker_id": worker_id, "pid": os.getpid(),
+              "started": datetime.now(UTC).isoformat(timespec="seconds"),
               "model": model_info(engine), "hardware": hardware_info(engine)}
     writer = StepTraceWriter(trace_path(template), header)
     engine.step_observer = writer.observe

@@ -52,7 +52,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from pdserve.prefill_worker.server import PrefillServicer as servicer
     else:
         from pdserve.decode_worker.server import DecodeServicer as servicer
-    asyncio.run(serve(lambda: LLMEngine(engine_config), worker, servicer))  # loaded in its step loop's thread
+    traces = []  # --step-trace: the engine's steps, written as it runs (bench/step_trace.py)
+
+    def build() -> LLMEngine:  # called in the engine's step loop thread, where it must be loaded
+        engine = LLMEngine(engine_config)
+        if worker.step_trace:
+            from pdserve.bench.step_trace import start_trace
+
+            traces.append(start_trace(engine, worker.step_trace, args.role, worker.worker_id))
+        return engine
+
+    try:
+        asyncio.run(serve(build, worker, servicer))
+    finally:
+        for trace in traces:
+            trace.close()  # the steps not yet written
     return 0
 
 

@@ -32,9 +32,9 @@ class WorkerConfig:
                 "on CPU, nccl on GPU; control messages over gRPC)")
     kv_fault: str = doc("", "prefill, tests only: inject a transfer fault (drop:LAYER, corrupt:LAYER, "
                             "stall:SECONDS)")
-    step_trace: str = doc("", "write every engine step (what it computed, its seconds) to this JSON-lines file "
-                              "({pid} in it: this process's id); `pdserve profile --from-trace` fits a latency "
-                              "profile to it (default: off)")
+    step_trace: str = doc("", "pdserve worker: write every engine step (what it computed, its seconds) to this "
+                              "JSON-lines file ({pid} in it: this process's id); `pdserve profile --from-trace` "
+                              "fits a latency profile to it (empty: off)")
     redis: str = doc("", "register this worker in the Redis at this URL (redis://host:port/db) for routers "
                          "to discover; empty: not registered")
     heartbeat_s: float = doc(1.0, "with --redis: how often the worker's record and load are refreshed")

@@ -60,7 +60,6 @@ class WorkerServer:
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []
         self.metrics_port: int | None = None
-        self.trace = None  # a StepTraceWriter with --step-trace
 
     @property
     def address(self) -> str:
@@ -83,11 +82,6 @@ class WorkerServer:
         worker_id = config.worker_id or f"{role}-{config.host}-{port}-{uuid.uuid4().hex[:4]}"
         self.servicer = servicer = self.servicer_cls(self.engine, worker_id, config, f"{config.host}:{port}")
         pb_grpc.add_WorkerServicer_to_server(servicer, server)
-        if config.step_trace:
-            from pdserve.bench.step_trace import start_trace
-
-            self.trace = start_trace(self.engine.engine, config.step_trace, role, worker_id)
-            log.info("tracing engine steps to %s", self.trace.path)
         servicer.on_start()
         await server.start()
         self._server = server
@@ -124,8 +118,6 @@ class WorkerServer:
             await self.registration.stop()
         await self._server.stop(grace=1.0)
         self.engine.shutdown()
-        if self.trace is not None:
-            self.trace.close()
         log.info("%s worker %s stopped (pid %d)", self.servicer.role, self.servicer.worker_id, os.getpid())
         self.servicer = None
 

@@ -21,10 +21,7 @@ from pdserve.bench.step_trace import (
     trace_path,
 )
 from pdserve.cluster.cli import main
-from pdserve.decode_worker.server import DecodeServicer
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
-from pdserve.worker.config import WorkerConfig
-from pdserve.worker.server import WorkerServer
 from tests.worker.serving import generated
 
 KNOWN = StepModel(0.004, 2e-4, 1e-8, 3e-4, 2e-7)
@@ -112,23 +109,26 @@ def test_traces_of_two_models_are_not_fitted_together(tmp_path):
         profile_from_traces([tmp_path / "a.jsonl", other])
 
 
-def test_a_serving_worker_traces_its_steps(tmp_path, make_engine):
-    """A decode worker started with --step-trace writes a header and every step it ran, flushed on stop."""
-    engine = make_engine()
+def test_a_worker_started_with_step_trace_writes_every_step_and_the_rest_as_it_stops(tmp_path):
+    """`pdserve worker decode --step-trace` (a real worker process): a header and every step it ran, the last
+    ones written when it stops."""
+    from pdserve.cluster.launcher import start_worker, stop_workers, wait_ready
+
     template = str(tmp_path / "trace-{pid}.jsonl")
+    worker = start_worker("decode", ["--port", "0", "--model", "random:tiny", "--no-load-progress", "--num-threads",
+                                     "1", "--num-kv-blocks", "64", "--step-trace", template])
+    try:
+        wait_ready([worker], timeout_s=120)
 
-    async def run():
-        server = WorkerServer(engine, WorkerConfig(port=0, step_trace=template), DecodeServicer)
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(server.address) as channel:
+        async def generate():
+            async with grpc.aio.insecure_channel(worker.address) as channel:
                 return await generated(pb_grpc.WorkerStub(channel), "r1", list(range(100, 140)))
-        finally:
-            await server.stop(0)
 
-    tokens = asyncio.run(run())
-    header, steps = read_trace(trace_path(template))
-    assert header["role"] == "decode" and header["model"]["name"] == engine.model_name
+        tokens = asyncio.run(generate())
+    finally:
+        stop_workers([worker], grace_s=10)
+    header, steps = read_trace(trace_path(template, worker.pid))
+    assert header["role"] == "decode" and header["pid"] == worker.pid and header["model"]["name"] == "random:tiny"
     assert header["model"]["kv_bytes_per_token"] > 0 and "cpu_flags" in header["hardware"]
     assert sum(f.prefill_tokens for _, _, f in steps) == 40
     assert sum(f.decode_seqs for _, _, f in steps) == len(tokens) - 1  # the prefill's step samples the first
