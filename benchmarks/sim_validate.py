@@ -10,7 +10,9 @@ simulated.
         [--profile P.json]                               # a recorded run simulated again (seconds)
 
 1. A latency profile of the engine as the workers run it (one thread, the same model and step
-   budget): measured here through the profile library (`pdserve profile --threads 1`), or --profile.
+   budget): measured here through the profile library (`pdserve profile --threads 1`), or --profile;
+   then a request's time outside engine steps, measured through a one-worker cluster as `pdserve profile
+   --serving-url` measures it (unless --profile has one, or --no-request-overhead).
 2. SLOs as pd_goodput.py derives them (unloaded figures of one worker on one core), or fixed ones.
 3. For each mode (colocated: two decode workers; disaggregated: one prefill and one decode worker;
    each pinned to one core) the real cluster of pd_goodput.py serves its Poisson workload at each
@@ -445,11 +447,11 @@ def resimulate(path: str, profile_path: str | None) -> dict[str, list[float]]:
                 speed = rows[rate]["at_probe_speed"]["speed"]
                 for k, e in at_probe_speed(measured, config, profile, requests, slo, speed)["errors"].items():
                     at_speed_errors.setdefault(k, []).append(e)
-    traced = [path for mode in recorded["modes"].values() for row in mode["rows"]
-              for path in row.get("traces", {}).get("paths", [])]
+    base = Path(path).parent  # the rows' trace paths are relative to the recorded run's directory
+    traced = [base / p for mode in recorded["modes"].values() for row in mode["rows"]
+              for p in row.get("traces", {}).get("paths", [])]
     from_traces = {}
-    base = Path(path).parent
-    if traced and all((base / p).exists() for p in traced):
+    if traced and all(p.exists() for p in traced):
         args.trace_skip_s = getattr(args, "trace_skip_s", 5.0)
         from_traces = cross_validate(recorded["modes"], profile, slo, tokenizer, args, base)
     print("\nwithin 10%: " + within(errors))

@@ -43,18 +43,18 @@ def trace_path(template: str, pid: int | None = None) -> Path:
 
 
 class StepTraceWriter:
-    """Appends an engine's steps to a trace file; ``observe`` is its ``step_observer``."""
+    """Writes an engine's steps to a trace file (a new file: one already there is replaced); ``observe`` is
+    the engine's ``step_observer``."""
 
     def __init__(self, path: str | Path, header: dict):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w")  # noqa: SIM115 (open until close(), which the worker calls on stop)
+        self._file = open(self.path, "w")  # noqa: SIM115 (open until close(): `pdserve worker` calls it after serving)
         self._file.write(json.dumps({"pdserve_step_trace": TRACE_VERSION, **header}) + "\n")
         self._file.flush()
         self._rows: list[str] = []
         self._lock = threading.Lock()  # observe runs in the engine's thread, close in the server's
         self._started = self._written = time.perf_counter()
-        self.steps = 0
 
     def observe(self, sched, seconds: float) -> None:
         f = features_of(sched.scheduled)
@@ -65,7 +65,6 @@ class StepTraceWriter:
             if self._file.closed:
                 return
             self._rows.append(row)
-            self.steps += 1
             if len(self._rows) >= FLUSH_ROWS or now - self._written >= FLUSH_S:
                 self._write(now)
 
@@ -130,9 +129,9 @@ def profile_from_traces(paths: list[str | Path], transfer_from: Profile | None =
                         skip_s: float = 0.0, transfer_source: str = "another profile") -> tuple[Profile, list]:
     """A measured profile fitted to the steps of the traces (``profile.fit_with_holdout``), with the model
     and hardware of the first trace's header (the traces must be of one model), and the KV transfer models
-    and request overhead of ``transfer_from`` (a trace holds neither; ``transfer_source`` names it). ``skip_s``: each
-    trace's steps that ended in its first seconds left out (a worker's first steps build oneDNN's
-    kernels). Returns the profile and the samples."""
+    and request overhead of ``transfer_from`` (a trace holds neither; ``transfer_source`` names it).
+    ``skip_s``: each trace's steps that ended in its first seconds left out (a worker's first steps build
+    oneDNN's kernels). Returns the profile and the samples."""
     from pdserve.bench.profile import StepSample, _now, fit_with_holdout
 
     if not paths:
