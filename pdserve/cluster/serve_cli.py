@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 
-from pdserve.configs import add_arguments, collect_arguments, from_dict, to_flags
+from pdserve.configs import ConfigError, add_arguments, collect_arguments, from_dict, to_flags
 from pdserve.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -257,12 +257,18 @@ def _stop_now() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cluster, why = _effective_serve_config(args)  # validated before anything starts
+    step_trace = args.step_trace or ""
+    if step_trace and cluster.launcher == "ray":
+        raise ConfigError("--step-trace: with --launcher processes (Ray Serve replicas write no step traces)")
+    if step_trace and "{pid}" not in step_trace:
+        raise ConfigError(f"--step-trace: put {{pid}} in the path ({step_trace!r}): every worker writes a file of "
+                          f"its own")
     from pdserve import cluster_token
 
     cluster_token.ensure_token()  # this cluster's gRPC secret: the workers and the router inherit it
     if cluster.launcher == "ray":
         return _serve_on_ray(cluster, why)
-    return _serve_processes(cluster, why)
+    return _serve_processes(cluster, why, step_trace)
 
 
 def _serve_on_ray(cluster, why: str | None = None) -> int:
@@ -327,7 +333,7 @@ def _deploy_and_announce(cluster, stop: threading.Event, deploying: list[threadi
     return 0
 
 
-def _serve_processes(cluster, why: str | None = None) -> int:
+def _serve_processes(cluster, why: str | None = None, step_trace: str = "") -> int:
     from pdserve.cluster.launcher import signal_workers, start_worker, stop_workers, wait_ready
     from pdserve.cluster.startup import bind_port, on_stop_signals
 
@@ -338,7 +344,7 @@ def _serve_processes(cluster, why: str | None = None) -> int:
     on_stop_signals(_stop_now)
     workers = []
     try:
-        for role, flags in _worker_commands(cluster, grace_s):
+        for role, flags in _worker_commands(cluster, grace_s, step_trace):
             workers.append(start_worker(role, flags))
         for m in cluster.served():
             log.info("starting %d prefill and %d decode worker(s) with %s%s", m.pools.prefill.replicas,
@@ -353,9 +359,10 @@ def _serve_processes(cluster, why: str | None = None) -> int:
     return 0 if served else 1
 
 
-def _worker_commands(cluster, grace_s: float) -> list[tuple[str, list[str]]]:
+def _worker_commands(cluster, grace_s: float, step_trace: str = "") -> list[tuple[str, list[str]]]:
     """(role, flags) of every worker process of every model: the engine's options, the model's name
-    (several models), the transfer's, registration. The machine's cores are split over them all."""
+    (several models), the transfer's, registration, ``--step-trace`` when given. The machine's cores are
+    split over them all."""
     models = cluster.served()
     n_workers = sum(m.pools.prefill.replicas + m.pools.decode.replicas for m in models)
     commands = []
@@ -368,7 +375,8 @@ def _worker_commands(cluster, grace_s: float) -> list[tuple[str, list[str]]]:
                         *(["--served-model-name", m.name] if m.name else []),
                         "--kv-lease-ms", str(cluster.kv_transfer.lease_ms),
                         "--kv-reservation-ttl-ms", str(cluster.kv_transfer.reservation_ttl_ms),
-                        *to_flags(_registration_options(cluster.state_store))]
+                        *to_flags(_registration_options(cluster.state_store)),
+                        *(["--step-trace", step_trace] if step_trace else [])]
         decode_flags = ["--kv-backend", cluster.kv_transfer.backend]
         commands += [("prefill", worker_flags)] * m.pools.prefill.replicas
         commands += [("decode", worker_flags + decode_flags)] * m.pools.decode.replicas
@@ -446,6 +454,10 @@ def add_commands(sub) -> None:
                     "workers prefill their "
                     "own prompts).")
     _add_cluster_arguments(serve)
+    serve.add_argument("--step-trace", metavar="PATH", default=None,
+                       help="--launcher processes: every worker writes its engine's steps (what each computed, its "
+                            "seconds) to PATH, {pid} in it replaced by the worker's process id; `pdserve profile "
+                            "--from-trace` fits a latency profile to them (default: off)")
     serve.set_defaults(func=cmd_serve)
 
     config = sub.add_parser("config", help="inspect the configuration", description="Configuration tools.")

@@ -72,6 +72,22 @@ def test_the_processes_launcher_starts_each_models_pools_under_its_name():
     assert all("--served-model-name" not in flags for _, flags in _worker_commands(load_serve_config(None), 5.0))
 
 
+def test_serve_step_trace_goes_to_every_worker_and_needs_a_pid_in_the_path(capsys):
+    from pdserve.cluster.cli import main
+    from pdserve.cluster.serve_cli import _worker_commands
+
+    config = load_serve_config(None, {"launcher": "processes", "pools": {"prefill": {"replicas": 1}}})
+    commands = _worker_commands(config, 5.0, "traces/{pid}.jsonl")
+    assert [role for role, _ in commands] == ["prefill", "decode"]
+    assert all(flags[flags.index("--step-trace") + 1] == "traces/{pid}.jsonl" for _, flags in commands)
+    assert all("--step-trace" not in flags for _, flags in _worker_commands(config, 5.0))
+    assert main(["serve", "--launcher", "processes", "--step-trace", "trace.jsonl"]) == 2
+    assert "--step-trace: put {pid} in the path ('trace.jsonl'): every worker writes a file of its own" in (
+        capsys.readouterr().err)
+    assert main(["serve", "--launcher", "ray", "--step-trace", "t-{pid}.jsonl"]) == 2
+    assert "--step-trace: with --launcher processes" in capsys.readouterr().err
+
+
 def test_defaults_serve_disaggregated():
     config = load_serve_config(None)
     assert (config.pools.prefill.replicas, config.pools.decode.replicas) == (1, 1)
