@@ -751,7 +751,7 @@ class _Simulation:
 
     def run(self) -> SimResult:
         if self.requests:
-            self._at(self.requests[0].arrival + self.profile.request_overhead_s, self._arrive, 0)
+            self._enter(0)
         if self.scalers:
             self._at(0.0, self._tick)
         heap, pop, events = self._heap, heapq.heappop, 0
@@ -773,11 +773,14 @@ class _Simulation:
 
     # ---- arrivals and routing (router/dispatcher.py's sequence) --------------------------------
 
-    def _arrive(self, i: int) -> None:
-        """Request ``i`` enters the cluster: the profile's request overhead after it was sent (its record
+    def _enter(self, i: int) -> None:
+        """Request ``i`` enters the cluster the profile's request overhead after it was sent (its record
         starts when it was sent), so its first token and end come that much later and its gaps do not."""
+        self._at(self.requests[i].arrival + self.profile.request_overhead_s, self._arrive, i)
+
+    def _arrive(self, i: int) -> None:
         if i + 1 < len(self.requests):
-            self._at(self.requests[i + 1].arrival + self.profile.request_overhead_s, self._arrive, i + 1)
+            self._enter(i + 1)
         req = self.requests[i]
         record = self.records[i] = RequestRecord(req.index, req.arrival, len(req.prompt), req.output_len,
                                                  warmup=req.warmup)
