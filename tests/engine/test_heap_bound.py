@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,7 +36,13 @@ def freed_blocks_scenario() -> None:
     assert bound.check(now=100.0) and bound.trims == 1
     assert resident_bytes() < resident - (40 << 20)  # of about 60 MiB freed
     assert not bound.check(now=130.0)  # within every_s of the last look
-    assert bound.check(now=160.0) or bound.free_bytes() <= bound.limit
+    assert not bound.check(now=160.0) and bound.trims == 1  # given back, still free: nothing new to give
+    more = []
+    for i in range(8):  # as much again, freed: the free bytes grow past the limit once more
+        more.append(torch.ones(((4 + i) << 20) // 4))
+        pins.append(torch.ones(16))
+    del more
+    assert bound.check(now=220.0) and bound.trims == 2
 
 
 def test_freed_blocks_past_the_limit_go_back_to_the_os_and_the_check_waits_its_interval():
@@ -48,14 +55,46 @@ def test_freed_blocks_past_the_limit_go_back_to_the_os_and_the_check_waits_its_i
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+class _FakeLibc:
+    """glibc's two calls, with the free bytes set by the test."""
+
+    def __init__(self):
+        self.free = 0
+        self.trims = 0
+
+    def mallinfo2(self):
+        return SimpleNamespace(fordblks=self.free)
+
+    def malloc_trim(self, pad: int) -> int:
+        self.trims += 1
+        return 1
+
+
+def test_the_bound_trims_on_growth_of_the_free_bytes_not_at_every_look_once_past_it():
+    """Blocks given back stay free blocks in glibc's count: a bound on the total, once passed, trimmed
+    at every look and handed back the pages the last steps' activations had just faulted in."""
+    libc = _FakeLibc()
+    bound = HeapBound(libc, limit=100, every_s=0.0)
+    looks = [(50, 0), (150, 1), (150, 1), (150, 1), (60, 1), (150, 1), (170, 2), (170, 2), (300, 3)]
+    for t, (free, trims) in enumerate(looks):
+        libc.free = free
+        bound.check(now=float(t))
+        assert libc.trims == trims, (t, free)
+    # 60 -> 150: taken out of the trimmed blocks and freed again (faulted in) counts; 60 -> 170 passes the limit
+
+
 def test_the_engine_checks_its_heap_after_steps(make_engine):
     engine = make_engine()
     assert engine.heap is not None
-    engine.heap = HeapBound.create(limit=0, every_s=0.0)  # any free byte is over the limit
+    libc = _FakeLibc()
+    engine.heap = HeapBound(libc, limit=0, every_s=0.0)
     engine.add_request("a", list(range(100, 140)), SamplingParams(temperature=0, max_tokens=3))
+    steps = 0
     while engine.has_unfinished():
+        libc.free += 1  # a byte more free at every look: over the limit (0) each time
         engine.step()
-    assert engine.heap.trims >= 3
+        steps += 1
+    assert steps >= 3 and libc.trims == steps
 
 
 def test_prompt_logprobs_of_growing_prompts_do_not_grow_the_heap_by_their_sum(make_engine):
