@@ -364,14 +364,13 @@ def measured_interval(requests: list[dict], label: str, resamples: int = 2000, s
     every step still lands anywhere in the interval."""
     import numpy as np
 
-    _, key, stat = next(m for m in METRICS if m[0] == label)
-    column = {"ttft_ms": "ttft_ms", "tpot_ms": "tpot_ms"}[key]
-    values = np.array([r[column][0] for r in requests if not r["warmup"] and r[column][0] is not None])
+    _, key, stat = next(m for m in METRICS if m[0] == label)  # key: per_request's column too
+    values = np.array([r[key][0] for r in requests if not r["warmup"] and r[key][0] is not None])
     if len(values) < 2:
         return (math.nan, math.nan)
     draws = np.random.default_rng(seed).choice(values, size=(resamples, len(values)))
-    figures_ = np.median(draws, axis=1) if stat == "median" else np.percentile(draws, 90, axis=1)
-    return float(np.percentile(figures_, 5)), float(np.percentile(figures_, 95))
+    of_draws = np.median(draws, axis=1) if stat == "median" else np.percentile(draws, 90, axis=1)
+    return float(np.percentile(of_draws, 5)), float(np.percentile(of_draws, 95))
 
 
 def cross_validate(results: dict, profile: Profile, slo: SLO, tokenizer, args, base: Path) -> dict[str, list[float]]:
@@ -496,14 +495,13 @@ INSIDE = "inside: "  # cross_validate's: 0 where a cell is within 10% or inside 
 def within(errors: dict[str, list[float]]) -> str:
     """'M n of N, ...' for each time metric; where cross_validate counted them, after a semicolon how many
     cells are within 10% or inside the measured figure's 90% bootstrap interval (``measured_interval``)."""
-    def counts(keys):
-        return ", ".join(f"{k} {sum(abs(e) <= 10 for e in errors[INSIDE + k if k in inside else k])} of "
-                         f"{len(errors[k])}" for k in keys)
+    def counts(keys, prefix=""):
+        return ", ".join(f"{k} {sum(abs(e) <= 10 for e in errors[prefix + k])} of {len(errors[k])}" for k in keys)
 
     plain = [k for k in errors if k not in PERCENTS and not k.startswith(INSIDE)]
     inside = [k for k in plain if INSIDE + k in errors]
-    return ", ".join(f"{k} {sum(abs(e) <= 10 for e in errors[k])} of {len(errors[k])}" for k in plain) + (
-        f"; within 10% or inside the measured 90% interval: {counts(inside)}" if inside else "")
+    return counts(plain) + (f"; within 10% or inside the measured 90% interval: {counts(inside, INSIDE)}"
+                            if inside else "")
 
 
 def parse_args():
