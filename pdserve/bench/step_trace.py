@@ -27,8 +27,10 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from pdserve.bench.latency_model import Profile, StepFeatures, features_of
 
@@ -94,6 +96,23 @@ def start_trace(engine, template: str, role: str, worker_id: str = "") -> StepTr
     writer = StepTraceWriter(trace_path(template), header)
     engine.step_observer = writer.observe
     return writer
+
+
+def traced_builder(build: Callable[[], Any], template: str, role: str,
+                   worker_id: str = "") -> tuple[Callable[[], Any], list[StepTraceWriter]]:
+    """``build`` (an LLMEngine factory, called in the thread that will step the engine) wrapped to start the
+    engine's trace at ``template`` as it builds it (no trace where ``template`` is empty), and the list the
+    trace goes into, for the caller to close when the worker stops: what `pdserve worker --step-trace` and a
+    Ray Serve worker replica (`pdserve serve --launcher ray --step-trace`) do."""
+    traces: list[StepTraceWriter] = []
+
+    def traced():
+        engine = build()
+        if template:
+            traces.append(start_trace(engine, template, role, worker_id))
+        return engine
+
+    return traced, traces
 
 
 def read_trace(path: str | Path) -> tuple[dict, list[tuple[float, float, StepFeatures]]]:

@@ -310,9 +310,10 @@ class _PoolWorker:
 
     role = "decode"
 
-    async def __init__(self, cluster: dict, store=None, model: str = ""):
+    async def __init__(self, cluster: dict, store=None, model: str = "", step_trace: str = ""):
         import ray
 
+        from pdserve.bench.step_trace import traced_builder
         from pdserve.engine.engine import LLMEngine
         from pdserve.worker.config import WorkerConfig
         from pdserve.worker.server import WorkerServer
@@ -337,9 +338,12 @@ class _PoolWorker:
             host=host, port=0, grace_s=pool.grace_s,
             worker_id=f"{self.role}-{self.replica}", served_model_name=model, kv_backend=config.kv_transfer.backend,
             kv_lease_ms=config.kv_transfer.lease_ms, kv_reservation_ttl_ms=config.kv_transfer.reservation_ttl_ms,
-            heartbeat_s=store_config.heartbeat_s, ttl_s=store_config.ttl_s)
-        # the engine loads in the thread that will step it (WorkerServer.start; see AsyncEngine)
-        self.server = WorkerServer(lambda: LLMEngine(engine_config), worker, self._servicer_cls())
+            heartbeat_s=store_config.heartbeat_s, ttl_s=store_config.ttl_s, step_trace=step_trace)
+        # the engine loads in the thread that will step it (WorkerServer.start; see AsyncEngine); with
+        # step_trace (`pdserve serve --step-trace`), its steps are written as it runs, closed in __del__
+        build, self.traces = traced_builder(lambda: LLMEngine(engine_config), step_trace, self.role,
+                                            worker.worker_id)
+        self.server = WorkerServer(build, worker, self._servicer_cls())
         await self.server.start(_store_client(config, store))
         log.info("%s replica %s on node %s: worker %s at %s", self.role, self.replica, self.node_id,
                  worker.worker_id, self.server.address)
@@ -395,6 +399,8 @@ class _PoolWorker:
         server = getattr(self, "server", None)
         if server is not None:
             await server.stop()
+        for trace in getattr(self, "traces", ()):
+            trace.close()  # the steps not yet written
 
 
 @serve.deployment(name="DecodeWorker")
@@ -486,12 +492,17 @@ class PoolWaker:
 
 
 def build_app(args: dict):
-    """The Serve application: ``args = {"cluster": <the cluster YAML as a mapping>}``."""
-    unknown = set(args) - {"cluster"}
-    if unknown:
-        from pdserve.configs import ConfigError
+    """The Serve application: ``args = {"cluster": <the cluster YAML as a mapping>}``, and optionally
+    ``"step_trace"``: a path with ``{pid}`` where every worker replica writes its engine's steps."""
+    from pdserve.configs import ConfigError
 
-        raise ConfigError(f"args: unknown key(s) {sorted(unknown)}; expected cluster")
+    unknown = set(args) - {"cluster", "step_trace"}
+    if unknown:
+        raise ConfigError(f"args: unknown key(s) {sorted(unknown)}; expected cluster (and step_trace)")
+    step_trace = args.get("step_trace") or ""
+    if step_trace and (not isinstance(step_trace, str) or "{pid}" not in step_trace):
+        raise ConfigError(f"args: step_trace {step_trace!r}: a path with {{pid}} in it (every replica writes a file "
+                          f"of its own)")
     cluster = args.get("cluster") or {}
     config = _config(cluster)  # refused here, naming the key, before anything is deployed
     cluster = dataclasses.asdict(config)
@@ -505,7 +516,7 @@ def build_app(args: dict):
             pool = getattr(model.pools, role)
             if pool.replicas > 0 or pool.autoscaling is not None:
                 options = deployment_options(config, role, cluster_token.forwarded_env(), model.name)
-                handles[model.name][role] = cls.options(**options).bind(cluster, store, model.name)
+                handles[model.name][role] = cls.options(**options).bind(cluster, store, model.name, step_trace)
     router = RouterDeployment.options(num_replicas=config.ray.router_replicas,
                             ray_actor_options={"num_cpus": config.ray.router_num_cpus, "runtime_env": {
                                 "env_vars": _replica_env(config.ray.metrics_interval_s,

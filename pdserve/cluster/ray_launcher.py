@@ -226,8 +226,9 @@ def check_placement(config, node_resources: list[dict[str, float]] | None = None
         log.warning("%s; waiting for the cluster to add such a node", message)
 
 
-def run_app(config, blocking: bool = False):
-    """Deploy the application and serve HTTP on the router's host and port."""
+def run_app(config, blocking: bool = False, step_trace: str = ""):
+    """Deploy the application and serve HTTP on the router's host and port. ``step_trace``: a path with
+    ``{pid}`` where every worker replica writes its engine's steps (``pdserve serve --step-trace``)."""
     import dataclasses
 
     _, serve = _import_ray()
@@ -235,7 +236,7 @@ def run_app(config, blocking: bool = False):
 
     serve.start(http_options={"host": config.router.host, "port": config.router.port}, logging_config={
         "enable_access_log": False})
-    app = build_app({"cluster": dataclasses.asdict(config)})
+    app = build_app({"cluster": dataclasses.asdict(config), **({"step_trace": step_trace} if step_trace else {})})
     log.info("deploying the Serve application %r", config.ray.app_name)
     return serve.run(app, name=config.ray.app_name, route_prefix="/", blocking=blocking)
 

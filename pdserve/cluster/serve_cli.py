@@ -52,16 +52,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from pdserve.prefill_worker.server import PrefillServicer as servicer
     else:
         from pdserve.decode_worker.server import DecodeServicer as servicer
-    traces = []  # --step-trace: the engine's steps, written as it runs (bench/step_trace.py)
+    from pdserve.bench.step_trace import traced_builder
 
-    def build() -> LLMEngine:  # called in the engine's step loop thread, where it must be loaded
-        engine = LLMEngine(engine_config)
-        if worker.step_trace:
-            from pdserve.bench.step_trace import start_trace
-
-            traces.append(start_trace(engine, worker.step_trace, args.role, worker.worker_id))
-        return engine
-
+    # called in the engine's step loop thread, where it must be loaded; --step-trace: its steps written as it runs
+    build, traces = traced_builder(lambda: LLMEngine(engine_config), worker.step_trace, args.role, worker.worker_id)
     try:
         asyncio.run(serve(build, worker, servicer))
     finally:
@@ -258,20 +252,20 @@ def _stop_now() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     cluster, why = _effective_serve_config(args)  # validated before anything starts
     step_trace = args.step_trace or ""
-    if step_trace and cluster.launcher == "ray":
-        raise ConfigError("--step-trace: with --launcher processes (Ray Serve replicas write no step traces)")
     if step_trace and "{pid}" not in step_trace:
         raise ConfigError(f"--step-trace: put {{pid}} in the path ({step_trace!r}): every worker writes a file of "
                           f"its own")
+    if step_trace:
+        step_trace = os.path.abspath(step_trace)  # Ray's replicas do not start in this directory
     from pdserve import cluster_token
 
     cluster_token.ensure_token()  # this cluster's gRPC secret: the workers and the router inherit it
     if cluster.launcher == "ray":
-        return _serve_on_ray(cluster, why)
+        return _serve_on_ray(cluster, why, step_trace)
     return _serve_processes(cluster, why, step_trace)
 
 
-def _serve_on_ray(cluster, why: str | None = None) -> int:
+def _serve_on_ray(cluster, why: str | None = None, step_trace: str = "") -> int:
     """The pools as Ray Serve deployments, the router behind Serve's HTTP proxy; until SIGTERM/SIGINT."""
     from pdserve.cluster import ray_launcher
     from pdserve.cluster.startup import check_port, on_stop_signals
@@ -288,7 +282,7 @@ def _serve_on_ray(cluster, why: str | None = None) -> int:
     try:
         ray_launcher.check_placement(cluster)
         if not stop.is_set():
-            code = _deploy_and_announce(cluster, stop, deploying)
+            code = _deploy_and_announce(cluster, stop, deploying, step_trace)
         while code == 0 and not stop.wait(0.5):
             if head is not None and not head.alive():
                 log.error("Ray (pid %d) exited with status %s under pdserve serve", head.process.pid,
@@ -300,10 +294,11 @@ def _serve_on_ray(cluster, why: str | None = None) -> int:
     return code if drained else 1
 
 
-def _deploy_and_announce(cluster, stop: threading.Event, deploying: list[threading.Thread]) -> int:
+def _deploy_and_announce(cluster, stop: threading.Event, deploying: list[threading.Thread],
+                         step_trace: str = "") -> int:
     """Deploy the application (in a thread, added to ``deploying``: a signal must not wait for every
     replica to load), then print the ready line once the router's /ready answers 200. Non-zero if
-    either fails."""
+    either fails. ``step_trace``: every worker replica's engine steps to that path (``{pid}`` in it)."""
     from pdserve.cluster import ray_launcher
     from pdserve.cluster.startup import announce, local_url, wait_until_ready
 
@@ -311,7 +306,7 @@ def _deploy_and_announce(cluster, stop: threading.Event, deploying: list[threadi
 
     def deploy():
         try:
-            ray_launcher.run_app(cluster)
+            ray_launcher.run_app(cluster, step_trace=step_trace)
         except Exception as e:  # noqa: BLE001 - reported below, unless we were stopping anyway
             if not stop.is_set():
                 failure.append(e)
@@ -455,8 +450,9 @@ def add_commands(sub) -> None:
                     "own prompts).")
     _add_cluster_arguments(serve)
     serve.add_argument("--step-trace", metavar="PATH", default=None,
-                       help="--launcher processes: every worker writes its engine's steps (what each computed, its "
-                            "seconds) to PATH, {pid} in it replaced by the worker's process id; `pdserve profile "
+                       help="every worker (a process, or a Ray Serve replica on its node's disk) writes its "
+                            "engine's steps (what each computed, its seconds) to PATH, {pid} in it replaced by the "
+                            "worker's process id (a relative PATH is taken from this directory); `pdserve profile "
                             "--from-trace` fits a latency profile to them (default: off)")
     serve.set_defaults(func=cmd_serve)
 

@@ -147,6 +147,8 @@ def test_the_policy_adapter_refuses_a_bad_role_or_key():
 def test_the_application_builder_refuses_bad_args_before_deploying():
     with pytest.raises(ConfigError, match=r"args: unknown key\(s\) \['clustr'\]"):
         ray_app.build_app({"clustr": {}})
+    with pytest.raises(ConfigError, match=r"args: step_trace 'trace.jsonl': a path with \{pid\} in it"):
+        ray_app.build_app({"cluster": {}, "step_trace": "trace.jsonl"})
     with pytest.raises(ConfigError, match="config.pools.decode.autoscaling: min_replicas"):
         ray_app.build_app({"cluster": {"pools": {"decode": {"autoscaling": {"min_replicas": 3,
                                                                             "max_replicas": 2}}}}})

@@ -57,13 +57,14 @@ def ray_url():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def deploy(cluster: dict):
+def deploy(cluster: dict, step_trace: str = ""):
     from pdserve.cluster.config import load_serve_config
     from pdserve.cluster.ray_app import build_app
     from pdserve.cluster.ray_launcher import check_placement
 
     check_placement(load_serve_config(None, cluster))
-    serve.run(build_app({"cluster": cluster}), name=APP, route_prefix="/")
+    serve.run(build_app({"cluster": cluster, **({"step_trace": step_trace} if step_trace else {})}), name=APP,
+              route_prefix="/")
 
 
 def merged(**sections) -> dict:
@@ -252,20 +253,30 @@ def test_a_load_step_scales_the_loaded_pool_up_then_down_and_loses_nothing(ray_u
         serve.delete(APP)
 
 
-def test_a_pool_at_zero_wakes_for_a_request_and_goes_back_to_zero(ray_url):
+def test_a_pool_at_zero_wakes_for_a_request_and_goes_back_to_zero(ray_url, tmp_path):
+    """... and the replica traces its engine's steps (`pdserve serve --launcher ray --step-trace`), the
+    trace closed when Serve stops it."""
+    from pdserve.bench.step_trace import read_trace
+
     cluster = merged(pools={
         "prefill": {"replicas": 0},
         "decode": {"replicas": 0, "num_cpus": 1, "grace_s": 5, "autoscaling": {
             "min_replicas": 0, "max_replicas": 1, "upscale_window_s": 1, "downscale_window_s": 4,
             "cold_start_timeout_s": 90 * PATIENCE}},
     })
-    deploy(cluster)
+    deploy(cluster, step_trace=str(tmp_path / "{pid}.jsonl"))
     try:
         assert running("DecodeWorker") == 0 and not ready_workers(ray_url)
         complete(ray_url, "wake up", 8, timeout=120)  # waits for the cold start, then is served
         served = time.monotonic()
         assert [w for w in ready_workers(ray_url) if w["worker_id"].startswith("decode-")]
         wait_for(lambda: alive("DecodeWorker") == 0, 60, "the idle pool back at zero")
+        traces = sorted(tmp_path.glob("*.jsonl"))
+        assert len(traces) == 1  # the woken replica's, closed as it stopped
+        header, steps = read_trace(traces[0])
+        assert header["role"] == "decode" and header["worker_id"].startswith("decode-")
+        assert [f.prefill_tokens > 0 for _, _, f in steps].count(True) == 1  # the prompt, then its decodes
+        assert sum(f.decode_seqs for _, _, f in steps) == 7  # 8 tokens: one from the prefill step
         # Not sooner than a full quiet window at one replica (the quiet seen at zero does not count);
         # Serve's status may lag, never lead.
         gap = time.monotonic() - served
