@@ -272,8 +272,9 @@ def test_a_pool_at_zero_wakes_for_a_request_and_goes_back_to_zero(ray_url, tmp_p
         assert [w for w in ready_workers(ray_url) if w["worker_id"].startswith("decode-")]
         wait_for(lambda: alive("DecodeWorker") == 0, 60, "the idle pool back at zero")
         traces = sorted(tmp_path.glob("*.jsonl"))
-        assert len(traces) == 1  # the woken replica's, closed as it stopped
-        header, steps = read_trace(traces[0])
+        assert len(traces) == 1  # the woken replica's, its steps written as it stops
+        steps = wait_for(lambda: read_trace(traces[0])[1], 30, "the stopped replica's steps in its trace")
+        header = read_trace(traces[0])[0]
         assert header["role"] == "decode" and header["worker_id"].startswith("decode-")
         assert [f.prefill_tokens > 0 for _, _, f in steps].count(True) == 1  # the prompt, then its decodes
         assert sum(f.decode_seqs for _, _, f in steps) == 7  # 8 tokens: one from the prefill step
