@@ -51,7 +51,7 @@ class StepTraceWriter:
     def __init__(self, path: str | Path, header: dict):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w")  # noqa: SIM115 (open until close(): `pdserve worker` calls it after serving)
+        self._file = open(self.path, "w")  # noqa: SIM115 (open until close(): its owner calls it after serving)
         self._file.write(json.dumps({"pdserve_step_trace": TRACE_VERSION, **header}) + "\n")
         self._file.flush()
         self._rows: list[str] = []
@@ -99,11 +99,11 @@ def start_trace(engine, template: str, role: str, worker_id: str = "") -> StepTr
 
 
 def traced_builder(build: Callable[[], Any], template: str, role: str,
-                   worker_id: str = "") -> tuple[Callable[[], Any], list[StepTraceWriter]]:
+                   worker_id: str = "") -> tuple[Callable[[], Any], Callable[[], None]]:
     """``build`` (an LLMEngine factory, called in the thread that will step the engine) wrapped to start the
-    engine's trace at ``template`` as it builds it (no trace where ``template`` is empty), and the list the
-    trace goes into, for the caller to close when the worker stops: what `pdserve worker --step-trace` and a
-    Ray Serve worker replica (`pdserve serve --launcher ray --step-trace`) do."""
+    engine's trace at ``template`` as it builds it (no trace where ``template`` is empty), and what closes
+    that trace (its steps not yet written), for the caller to call when the worker stops: what `pdserve
+    worker --step-trace` and a Ray Serve worker replica (`pdserve serve --launcher ray --step-trace`) do."""
     traces: list[StepTraceWriter] = []
 
     def traced():
@@ -112,7 +112,11 @@ def traced_builder(build: Callable[[], Any], template: str, role: str,
             traces.append(start_trace(engine, template, role, worker_id))
         return engine
 
-    return traced, traces
+    def close() -> None:
+        for trace in traces:
+            trace.close()
+
+    return traced, close
 
 
 def read_trace(path: str | Path) -> tuple[dict, list[tuple[float, float, StepFeatures]]]:

@@ -338,11 +338,11 @@ class _PoolWorker:
             host=host, port=0, grace_s=pool.grace_s,
             worker_id=f"{self.role}-{self.replica}", served_model_name=model, kv_backend=config.kv_transfer.backend,
             kv_lease_ms=config.kv_transfer.lease_ms, kv_reservation_ttl_ms=config.kv_transfer.reservation_ttl_ms,
-            heartbeat_s=store_config.heartbeat_s, ttl_s=store_config.ttl_s, step_trace=step_trace)
+            heartbeat_s=store_config.heartbeat_s, ttl_s=store_config.ttl_s)
         # the engine loads in the thread that will step it (WorkerServer.start; see AsyncEngine); with
         # step_trace (`pdserve serve --step-trace`), its steps are written as it runs, closed in __del__
-        build, self.traces = traced_builder(lambda: LLMEngine(engine_config), step_trace, self.role,
-                                            worker.worker_id)
+        build, self.close_trace = traced_builder(lambda: LLMEngine(engine_config), step_trace, self.role,
+                                                 worker.worker_id)
         self.server = WorkerServer(build, worker, self._servicer_cls())
         await self.server.start(_store_client(config, store))
         log.info("%s replica %s on node %s: worker %s at %s", self.role, self.replica, self.node_id,
@@ -399,8 +399,9 @@ class _PoolWorker:
         server = getattr(self, "server", None)
         if server is not None:
             await server.stop()
-        for trace in getattr(self, "traces", ()):
-            trace.close()  # the steps not yet written
+        close_trace = getattr(self, "close_trace", None)
+        if close_trace is not None:
+            close_trace()
 
 
 @serve.deployment(name="DecodeWorker")

@@ -55,12 +55,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from pdserve.bench.step_trace import traced_builder
 
     # called in the engine's step loop thread, where it must be loaded; --step-trace: its steps written as it runs
-    build, traces = traced_builder(lambda: LLMEngine(engine_config), worker.step_trace, args.role, worker.worker_id)
+    build, close_trace = traced_builder(lambda: LLMEngine(engine_config), worker.step_trace, args.role,
+                                        worker.worker_id)
     try:
         asyncio.run(serve(build, worker, servicer))
     finally:
-        for trace in traces:
-            trace.close()  # the steps not yet written
+        close_trace()
     return 0
 
 

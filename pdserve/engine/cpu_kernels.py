@@ -356,10 +356,10 @@ class HeapBound:
     so a bound on the total, once passed, trimmed at every look for good, handing back the pages
     the last steps' activations had faulted in for the next steps to fault in again (a served
     worker gave back 68-71 MiB after every request; a bf16 step of 4 x 512 prompt tokens after a
-    trim 425 ms against 406, its 71 MiB faulted in again). The
-    baseline is the least free seen since the trim, so memory taken out of the trimmed blocks
-    (faulted in) and freed again counts as growth; a steady load's activations, freed between
-    looks, keep their pages. ``None`` from ``create`` off glibc (or an old one).
+    trim 425 ms against 406, its 71 MiB faulted in again). The baseline is the least free seen
+    since the trim, so memory taken out of the trimmed blocks (faulted in) and freed again counts
+    as growth; a steady load's activations, freed between looks, keep their pages. ``None`` from
+    ``create`` off glibc (or an old one).
     """
 
     def __init__(self, libc, limit: int = HEAP_FREE_LIMIT, every_s: float = 1.0):
