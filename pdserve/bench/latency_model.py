@@ -10,8 +10,9 @@ An engine step's time is modelled as a linear function of what the step computes
            + per_decode_context_s  x decode_context      (keys those requests read: their contexts)
 
 and shipping a prompt's KV from a prefill to a decode worker as ``overhead_s + bytes x
-s_per_byte`` per transfer backend; a request's time outside engine steps before its first token (router,
-dispatch, the way back) as ``request_overhead_s``. A profile is either **measured** (the real engine's steps on
+s_per_byte`` per transfer backend (and what shipping it adds to a prefill worker's steps); a request's
+time outside engine steps before its first token (router, dispatch, the way back) as
+``request_overhead_s``. A profile is either **measured** (the real engine's steps on
 some machine, least squares; `pdserve profile`) or **modelled** (a roofline from a hardware
 description and a model shape, for machines not at hand; marked as such).
 
@@ -91,13 +92,27 @@ class StepModel:
 
 @dataclass(frozen=True)
 class TransferModel:
-    """One KV transfer backend: a fixed cost per transfer and a cost per byte."""
+    """One KV transfer backend: a fixed cost per transfer and a cost per byte (wall time), and what a
+    prefill worker's engine steps pay for shipping their KV.
+
+    A prefill worker ships each layer's KV while its engine computes the next layers; the snapshots,
+    serialisation, checksums and gRPC's socket work run beside the engine, on its cores where it takes
+    them all (a CPU engine), and its steps take longer: ``export_step_overhead_s`` per step that ships
+    KV plus ``export_step_s_per_byte`` per byte it ships (``pdserve profile`` measures the same prompts'
+    steps with and without shipping their KV; SmolLM2 in float32 on one core of an AMX Xeon: 2,048 tokens
+    4.95 -> 5.30 s). 0: not measured, or the engine computes elsewhere (a GPU)."""
 
     overhead_s: float
     s_per_byte: float
+    export_step_overhead_s: float = 0.0
+    export_step_s_per_byte: float = 0.0
 
     def transfer_s(self, num_bytes: int) -> float:
         return self.overhead_s + self.s_per_byte * num_bytes
+
+    def export_step_s(self, num_bytes: int) -> float:
+        """What a prefill worker's step that ships ``num_bytes`` of KV takes beyond the step alone."""
+        return self.export_step_overhead_s + self.export_step_s_per_byte * num_bytes if num_bytes > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -138,6 +153,17 @@ class Profile:
             raise KeyError(f"the profile has no transfer model for backend {backend!r} "
                            f"(it has: {sorted(self.transfer) or 'none'})")
         return self.transfer[backend].transfer_s(tokens * self.kv_bytes_per_token)
+
+    def export_step_s(self, tokens: int, backend: str = "grpc") -> float:
+        """What a prefill worker's step that ships ``tokens`` tokens' KV over ``backend`` takes beyond the step
+        alone (``TransferModel``; 0 where not measured)."""
+        t = self.transfer.get(backend)
+        return 0.0 if t is None else t.export_step_s(tokens * self.kv_bytes_per_token)
+
+    def ships_with_cost(self, backend: str = "grpc") -> bool:
+        """Whether a step shipping KV over ``backend`` costs more than the step alone in this profile."""
+        t = self.transfer.get(backend)
+        return t is not None and (t.export_step_overhead_s > 0 or t.export_step_s_per_byte > 0)
 
     def cost_model(self, backend: str = "grpc", **overrides):
         """The router's CostModel from this profile (router/cost.py): prefill tokens/s of a

@@ -17,7 +17,9 @@ A run, in order::
       predicts the other 20%: that error is the ``holdout_*`` figures of the profile's ``fit``
     KV transfers: the engine's own KV cache shipped by each backend (grpc: to a real decode worker
       server in this process over 127.0.0.1; local: in-process copies) for a few sizes; a fixed cost
-      plus a cost per byte fitted per backend
+      plus a cost per byte fitted per backend; on a CPU engine, for grpc, also how much longer a
+      prompt's step takes while it ships its KV as a prefill worker does (to a KV sink in another
+      process, ``kv_sink``), a fixed cost plus a cost per byte: a prefill worker's steps pay it
 
 The roofline (``roofline_profile``) needs no engine: a hardware description and a model shape.
 The engine is driven through its public API only (add_request, step, step_observer).
@@ -26,6 +28,8 @@ The engine is driven through its public API only (add_request, step, step_observ
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import platform
 import random
@@ -363,6 +367,110 @@ async def _grpc_transfers(engine, sizes: list[int], reps: int) -> list[tuple[int
     return points
 
 
+@contextlib.contextmanager
+def _pinned(cpus: set[int]):
+    """Every thread of this process on ``cpus`` (threads started meanwhile inherit it), as it was after."""
+    saved = {}
+    for tid in map(int, os.listdir("/proc/self/task")):
+        with contextlib.suppress(OSError):  # (a thread that ended since)
+            saved[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, cpus)
+    try:
+        yield
+    finally:
+        for tid, mask in saved.items():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, mask)
+
+
+def export_cpus(threads: int) -> tuple[set[int], bool]:
+    """Where ``_export_slowdown`` runs the engine (as many CPUs as its threads, of this process's) and
+    whether others are left for the sink, as a prefill worker's engine and sender share its cores and a
+    decode worker has its own."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(allowed) > threads:
+        return set(allowed[:threads]), True
+    return set(allowed), False
+
+
+def _export_slowdown(engine, sizes: list[int], reps: int, seed: int = 0) -> tuple[list[tuple[int, float]], str]:
+    """How much longer a prompt's step takes when the engine ships its KV over gRPC as a prefill worker
+    does (``KVExporter``: each layer's blocks snapshot and sent from the export thread while the next
+    layers compute) to a KV sink in a process of its own (``kv_sink``): (bytes shipped, extra seconds) per
+    size, the median of ``reps`` steps each way, interleaved, and where it ran. One-step prompts (each size
+    within the step budget), fresh token ids. This process's threads (the sender's, started here, too) run
+    on as many CPUs as the engine has threads, the sink on the others where there are any."""
+    import statistics
+    import threading
+
+    import torch
+
+    from pdserve.bench.kv_sink import Sink
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.kvtransfer.base import KVLayout
+    from pdserve.kvtransfer.grpc_backend import GrpcSender
+    from pdserve.prefill_worker.export import Export, KVExporter
+    from pdserve.proto.v1 import worker_pb2 as pb
+
+    cfg, rng = engine.model_config, random.Random(seed)
+    layout = KVLayout(engine.loaded.fingerprint, engine.config.dtype, engine.block_size, cfg.num_layers,
+                      cfg.num_kv_heads, cfg.head_dim)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    points, count = [], 0
+
+    def step_s(tokens: int, address: str | None) -> float:
+        nonlocal count
+        count += 1
+        rid, session = f"profile-export-{count}", None
+        if address is not None:
+            destination = pb.ReserveResponse(handle=rid, kv_address=address, layout=layout.to_proto(pb))
+            session = sender.open(destination, layout, tokens)
+            exporter.add(rid, Export(session, 0, tokens))
+        engine.add_request(rid, [rng.randrange(100, cfg.vocab_size) for _ in range(tokens)], params)
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        elapsed = time.perf_counter() - start
+        if session is not None:
+            ok, error = session.done.result(120)
+            if not ok:
+                raise RuntimeError(f"shipping {tokens} tokens' KV to the sink failed: {error}")
+        return elapsed
+
+    cpus, spare = export_cpus(torch.get_num_threads())
+    where = (f"this process on CPU {sorted(cpus)}, the sink on the others" if spare
+             else "the sink on the engine's CPUs (no other was free: an overestimate)")
+    pinning = _pinned(cpus) if spare else contextlib.nullcontext()
+    with pinning, Sink(avoid=cpus if spare else set()) as address:
+        # started here, so that their threads (and gRPC's) share the engine's CPUs
+        loop = asyncio.new_event_loop()  # the worker's: the sessions' streams run on it
+        looping = threading.Thread(target=loop.run_forever, name="profile-export-loop", daemon=True)
+        looping.start()
+        exporter = KVExporter(engine.runner, engine.block_size, cfg.num_layers)
+        try:
+            sender = GrpcSender(loop)
+            for tokens in sizes:
+                step_s(tokens, None), step_s(tokens, address)  # warm: the shape, the channel
+                alone, shipping = [], []
+                for _ in range(reps):
+                    alone.append(step_s(tokens, None))
+                    shipping.append(step_s(tokens, address))
+                extra = statistics.median(shipping) - statistics.median(alone)
+                points.append((tokens * cfg.kv_bytes_per_token(engine.runner.kv_cache.element_size()), extra))
+        finally:
+            exporter.close()
+            engine.runner.layer_hook = None
+            loop.call_soon_threadsafe(loop.stop)
+            looping.join(10)
+            loop.close()
+    return points, where
+
+
+def export_sizes(quick: bool, budget: int) -> list[int]:
+    """Prompt sizes whose step slowdown when shipping their KV is measured: one step each."""
+    return [n for n in ((256,) if quick else (512, 2048)) if n <= budget] or [budget]
+
+
 def _local_transfers(engine, sizes: list[int], reps: int) -> list[tuple[int, float]]:
     """In-process hand-over into a receiver's cache (the local backend)."""
     import torch
@@ -402,21 +510,30 @@ def fit_transfer(points: list[tuple[int, float]]) -> TransferModel:
     return TransferModel(float(intercept), float(slope))
 
 
-def measure_transfers(engine, backends: list[str], sizes: list[int],
-                      reps: int = 3) -> tuple[dict[str, TransferModel], dict]:
-    """A TransferModel per measurable backend, and a note per backend about how (or why not)."""
+def measure_transfers(engine, backends: list[str], sizes: list[int], reps: int = 3,
+                      export_sizes: list[int] = ()) -> tuple[dict[str, TransferModel], dict]:
+    """A TransferModel per measurable backend, and a note per backend about how (or why not); on a CPU
+    engine with ``export_sizes``, grpc's export slowdown of the engine's steps too (``_export_slowdown``)."""
     models, notes = {}, {}
     for backend in backends:
         if backend in UNMEASURED_BACKENDS:
             notes[backend] = "not measured: " + UNMEASURED_BACKENDS[backend]
             continue
+        export = TransferModel(0.0, 0.0)
         if backend == "grpc":
             points = asyncio.run(_grpc_transfers(engine, sizes, reps))
             notes[backend] = "to a decode worker server in this process over 127.0.0.1"
+            if engine.config.device == "cpu" and export_sizes:  # the sender shares the engine's cores
+                slowdown, where = _export_slowdown(engine, list(export_sizes), reps + 2)
+                export = fit_transfer(slowdown)
+                notes[backend] += ("; a step shipping its KV to a sink in another process, over the same step "
+                                   "alone: " + ", ".join(f"{b / 1e6:.1f} MB +{1e3 * t:.0f} ms" for b, t in slowdown)
+                                   + f" ({where})")
         else:
             points = _local_transfers(engine, sizes, reps)
             notes[backend] = "in-process copies into a receiver's cache"
-        models[backend] = fit_transfer(points)
+        models[backend] = dataclasses.replace(fit_transfer(points), export_step_overhead_s=export.overhead_s,
+                                              export_step_s_per_byte=export.s_per_byte)
         notes[backend] += f"; {len(points)} transfers of {min(sizes)}-{max(sizes)} tokens"
     return models, notes
 
@@ -453,8 +570,6 @@ def measure_request_overhead(profile: Profile, url: str, samples: int = 8, seed:
 
 def with_request_overhead(profile: Profile, url: str, samples: int = 8, seed: int = 0) -> Profile:
     """``profile`` with its request overhead measured through ``url`` (``measure_request_overhead``)."""
-    import dataclasses
-
     overhead, details = measure_request_overhead(profile, url, samples, seed)
     return dataclasses.replace(profile, request_overhead_s=overhead, fit={**profile.fit, "request_overhead": details})
 
@@ -525,7 +640,8 @@ def measure(config: ProfileConfig, progress: bool = True) -> tuple[Profile, list
     samples = measure_steps(engine, waves, config.max_seconds, config.seed, progress)
     step_seconds = time.perf_counter() - started
     step, fit = fit_with_holdout(samples, config.seed)
-    transfer, notes = measure_transfers(engine, config.backends, sizes, reps=2 if config.quick else 3)
+    transfer, notes = measure_transfers(engine, config.backends, sizes, reps=2 if config.quick else 3,
+                                        export_sizes=export_sizes(config.quick, config.budget))
     fit.update(measured_seconds=round(step_seconds, 1), transfer=notes,
                note="steps timed from schedule to outputs (LLMEngine.step); holdout: the same fit on 80% "
                     "of the steps, predicting the other 20%")
@@ -535,8 +651,6 @@ def measure(config: ProfileConfig, progress: bool = True) -> tuple[Profile, list
 
 def roofline_profile(config: ProfileConfig) -> Profile:
     """A modelled profile: the roofline of ``config.roofline``'s hardware for ``config.shape``."""
-    import dataclasses
-
     shape = dataclasses.asdict(PRESETS[config.shape])
     profile = roofline(HARDWARE[config.roofline], shape, config.shape)
     return dataclasses.replace(profile, created=_now())

@@ -10,7 +10,9 @@ What is real and what is modelled:
 | each replica's ``Scheduler``, ``KVCacheManager``, block pool | a step's duration: ``profile.step_s``     |
 | routing: ``prefill_route``, the named policies, the cost     | a KV transfer: ``profile.transfer_s`` of  |
 |   model, the prefix index fed by the pools' KV events,       |   the tokens the decode worker lacks,     |
-|   recent routes                                              |   from the first token on                 |
+|   recent routes                                              |   from the first token on; a prefill      |
+|                                                              |   worker's step: + shipping its KV        |
+|                                                              |   (``_export_s``)                         |
 | autoscaling: ``PoolPolicy.decide`` on the pools' signals     | a new replica: ready ``startup_s`` later  |
 |                                                              | sampled tokens: one fixed id, never a stop|
 
@@ -358,10 +360,11 @@ class _Replica:
                           self._generated_sum / 5.0, prefill_rate, self.kv.pool.num_free_blocks * self.kv.block_size,
                           decode_s, decode_seqs)
 
-    def begin_step(self, profile: Profile, batch: list[Request] | None):
+    def begin_step(self, profile: Profile, batch: list[Request] | None, extra_s=None):
         """Schedule a step: (its output, its seconds), or None with nothing to run. ``batch``: the running
         requests of a step whose running part is decode-only (``decode_only``), each decoding a token,
-        and the scheduler admitting what waits after them; None: the scheduler's step."""
+        and the scheduler admitting what waits after them; None: the scheduler's step. ``extra_s``: what
+        the scheduler's step takes beyond the profile's step (its scheduled items -> seconds), or None."""
         if batch is not None:
             return self._begin_decode(batch, profile)
         out = self.scheduler.schedule()
@@ -370,6 +373,8 @@ class _Replica:
         if out.empty:
             return None
         seconds = profile.step_s(features_of(out.scheduled))
+        if extra_s is not None:
+            seconds += extra_s(out.scheduled)
         self._account(out.scheduled, len(out.scheduled), seconds)
         return out, seconds
 
@@ -694,6 +699,7 @@ class _Simulation:
         self.config, self.profile, self.requests = config, profile, requests
         self.cost = config.cost or profile.cost_model(config.transfer_backend)
         profile.transfer_s(1, config.transfer_backend)  # a backend the profile lacks: refused now
+        self._exports_cost = profile.ships_with_cost(config.transfer_backend)  # (a prefill worker's steps)
         self.fingerprint = str(profile.model.get("name", "sim"))
         self.rng = random.Random(config.seed)
         self.decode_policy, self.prefill_policy = POLICIES[config.policy](self.cost, self.rng)
@@ -920,11 +926,26 @@ class _Simulation:
                 run.flows = [self.flows[r.request_id] for r in run.batch]
                 self._at(run.ends[-1], self._run_end, (replica, run))
                 return
-        begun = replica.begin_step(self.profile, batch)
+        begun = replica.begin_step(self.profile, batch,
+                                   self._export_s if replica.role == "prefill" and self._exports_cost else None)
         if begun is not None:
             self._at(self.now + begun[1], self._step_end, (replica, begun[0]))
         elif replica.state == "draining" and replica.idle:
             self._stop(replica)
+
+    def _export_s(self, scheduled) -> float:
+        """What a prefill worker's step takes beyond the profile's step for shipping its KV
+        (``TransferModel``). A step ships the tokens it computes that the request's decode worker lacks,
+        its first chunk also those the prefill worker had cached (its own prefix hit); the exporter ships
+        whole blocks as they complete: over the prompt, the same tokens."""
+        tokens = 0
+        for item in scheduled:
+            request = item.request
+            prompt = request.num_prompt_tokens
+            skip = prompt - self.flows[request.request_id].uncached  # the decode worker's hit: never shipped
+            first = 0 if item.start <= request.num_cached_tokens else item.start
+            tokens += max(0, min(item.start + item.num_tokens, prompt) - max(first, skip))
+        return self.profile.export_step_s(tokens, self.config.transfer_backend)
 
     def _step_end(self, arg) -> None:
         replica, out = arg

@@ -23,6 +23,7 @@ worker stops.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -154,7 +155,11 @@ def profile_from_traces(paths: list[str | Path], transfer_from: Profile | None =
     and hardware of the first trace's header (the traces must be of one model), and the KV transfer models
     and request overhead of ``transfer_from`` (a trace holds neither; ``transfer_source`` names it).
     ``skip_s``: each trace's steps that ended in its first seconds left out (a worker's first steps build
-    oneDNN's kernels). Returns the profile and the samples."""
+    oneDNN's kernels). A prefill worker's traced steps already took what shipping their KV added to them, so
+    the transfer models come without ``transfer_from``'s export terms (``TransferModel.export_step_*``): the
+    fit holds the cluster's steps as they ran. (Taking the terms off a prefill worker's steps before the fit,
+    for the simulator to add back to the steps that ship, fitted the three Xeon runs of the pd experiment no
+    better: README, "Simulating a cluster".) Returns the profile and the samples."""
     from pdserve.bench.profile import StepSample, _now, fit_with_holdout
 
     if not paths:
@@ -172,7 +177,8 @@ def profile_from_traces(paths: list[str | Path], transfer_from: Profile | None =
                        "skip_s": skip_s},
                note="steps of serving workers (their --step-trace), timed from schedule to outputs; holdout: "
                     "the same fit on 80% of the steps, predicting the other 20%")
-    transfer = dict(transfer_from.transfer) if transfer_from is not None else {}
+    transfer = {k: dataclasses.replace(t, export_step_overhead_s=0.0, export_step_s_per_byte=0.0)
+                for k, t in (transfer_from.transfer if transfer_from is not None else {}).items()}
     if transfer_from is not None:
         fit["transfer"] = {k: f"from {transfer_source}" for k in transfer}
     overhead = transfer_from.request_overhead_s if transfer_from is not None else 0.0

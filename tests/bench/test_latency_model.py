@@ -84,6 +84,21 @@ def test_a_profile_round_trips_and_another_version_is_refused(tmp_path):
         Profile("guessed", {"kv_bytes_per_token": 1}, {}, profile.step)
 
 
+def test_what_shipping_adds_to_a_prefill_step_round_trips_and_older_profiles_have_none(tmp_path):
+    profile = Profile("measured", {"name": "m", "kv_bytes_per_token": 1024}, {"cpu": "x"},
+                      StepModel(0.01, 1e-4, 1e-9, 1e-3, 1e-7), {"grpc": TransferModel(0.002, 1e-9, 0.05, 2e-9)})
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert Profile.load(path) == profile and profile.ships_with_cost("grpc")
+    assert profile.export_step_s(1000, "grpc") == pytest.approx(0.05 + 2e-9 * 1000 * 1024)
+    assert profile.export_step_s(0, "grpc") == 0 and profile.export_step_s(1000, "nccl") == 0
+    data = json.loads(path.read_text())
+    for key in ("export_step_overhead_s", "export_step_s_per_byte"):  # a profile written before they were
+        del data["transfer"]["grpc"][key]
+    older = Profile.from_json(data)
+    assert older.export_step_s(1000, "grpc") == 0 and not older.ships_with_cost("grpc")
+
+
 def test_a_roofline_profile_is_marked_modelled_and_orders_the_hardware():
     shape = dataclasses.asdict(PRESETS["llama-3-8b"])
     h100, l4 = roofline(HARDWARE["h100-sxm"], shape, "llama-3-8b"), roofline(HARDWARE["l4"], shape, "llama-3-8b")

@@ -5,6 +5,7 @@ profile from the command line, and bad input refused naming what is allowed."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -59,13 +60,14 @@ def test_a_transfer_fit_recovers_its_line():
 @pytest.fixture(scope="module")
 def quick_profile(tmp_path_factory):
     """One quick run of the command on the tiny model (its threads restored after)."""
-    threads = torch.get_num_threads()
+    threads, cpus = torch.get_num_threads(), os.sched_getaffinity(0)
     out = tmp_path_factory.mktemp("profile")
     try:
         rc = main(["profile", "--quick", "-o", str(out / "p.json"), "--plot", str(out / "p.png")])
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
+    assert os.sched_getaffinity(0) == cpus  # the export measurement's pinning undone
     return out
 
 
@@ -86,6 +88,12 @@ def test_a_quick_profile_is_written_and_predicts_sensibly(quick_profile):
     assert profile.step_s(StepFeatures(decode_seqs=64, decode_context=64 * 256)) > profile.step_s(
         StepFeatures(decode_seqs=1, decode_context=32))
     assert profile.transfer_s(4096, "grpc") >= profile.transfer_s(16, "grpc") > 0  # tiny payloads: noise may hide
+    # What shipping KV adds to a step, measured against a KV sink in another process (a tiny model's step
+    # barely notices: non-negative, and the note has the figures)
+    grpc = profile.transfer["grpc"]
+    assert grpc.export_step_overhead_s >= 0 and grpc.export_step_s_per_byte >= 0
+    assert "a step shipping its KV to a sink in another process" in fit["transfer"]["grpc"]
+    assert profile.transfer["local"].export_step_s_per_byte == 0
     assert (quick_profile / "p.png").stat().st_size > 1000
 
 
@@ -114,3 +122,28 @@ def test_a_backend_that_cannot_run_here_is_noted_not_measured():
     assert ProfileConfig(transfer_backends="torch, ").backends == ["torch"]
     models, notes = measure_transfers(None, ["torch"], [64])
     assert models == {} and notes["torch"].startswith("not measured: needs two processes")
+
+
+def test_the_kv_sink_answers_a_whole_push_and_refuses_a_corrupt_one():
+    """The receiver `pdserve profile` ships to when it measures the sending side: another process, which
+    checks each chunk's checksum and keeps nothing."""
+    import asyncio
+
+    import grpc
+
+    from pdserve.bench.kv_sink import Sink
+    from pdserve.kvtransfer.base import checksum
+    from pdserve.proto.v1 import worker_pb2 as pb
+    from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
+
+    async def push(address: str, corrupt: bool) -> pb.PushKVResponse:
+        keys, values = bytes(range(256)) * 64, bytes(reversed(range(256))) * 64
+        chunk = pb.KVChunk(handle="h", layer=0, first_block=0, num_blocks=1, keys=keys, values=values,
+                           checksum=checksum(keys, values) ^ corrupt)
+        async with grpc.aio.insecure_channel(address) as channel:
+            return await pb_grpc.WorkerStub(channel).PushKV(iter([chunk, pb.KVChunk(handle="h", commit=True)]))
+
+    with Sink(avoid={0}) as address:
+        assert asyncio.run(push(address, False)).ok
+        answer = asyncio.run(push(address, True))
+        assert not answer.ok and answer.error == "checksum: layer 0 block 0"

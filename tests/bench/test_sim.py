@@ -128,6 +128,32 @@ def test_a_long_prompt_is_prefilled_remotely_and_its_kv_shipped_before_decoding(
     assert (prefill.role, prefill.steps, decode.steps) == ("prefill", 1, 2)
 
 
+def test_a_prefill_workers_step_pays_for_shipping_the_kv_it_computes():
+    """A profile that measured what shipping KV adds to a step (TransferModel.export_step_*): a prefill
+    worker's step takes that much longer for the tokens it ships; a colocated prefill, nothing more."""
+    rng = random.Random(4)
+    shipping = dataclasses.replace(PROFILE, transfer={"grpc": TransferModel(0.005, 1e-8, 0.002, 1e-7)})
+    extra = 0.002 + 1e-7 * 512 * 1000  # 53.2 ms for 512 tokens of 1,000 bytes
+    assert shipping.export_step_s(512) == pytest.approx(extra) and shipping.export_step_s(0) == 0
+    request = [SimRequest(0, 0.0, ids(rng, 512), 3)]
+    result = simulate(SimConfig(prefill_replicas=1, decode_replicas=1), shipping, request)
+    assert result.decisions == {"remote": 1}
+    assert result.records[0].ttft == pytest.approx(prefill_s(512) + extra)
+    prefill = next(s for s in result.replicas if s.role == "prefill")
+    assert prefill.busy_s == pytest.approx(prefill_s(512) + extra)
+    colocated = simulate(SimConfig(), shipping, request)
+    assert colocated.records[0].ttft == pytest.approx(prefill_s(512))
+    # The second prompt shares 256 tokens with the first, which the prefill worker holds: it computes the
+    # other 1,024. To the decode worker that held the first it ships those; to another (taking turns), all.
+    prefix = ids(rng, 256)
+    requests = [SimRequest(0, 0.0, prefix + ids(rng, 1024), 2), SimRequest(1, 5.0, prefix + ids(rng, 1024), 2)]
+    for decode_replicas, shipped in ((1, 1024), (2, 1280)):
+        config = SimConfig(prefill_replicas=1, decode_replicas=decode_replicas, policy="round_robin")
+        result = simulate(config, shipping, requests)
+        assert result.decisions == {"remote": 2} and result.records[1].cached_tokens == 256
+        assert result.records[1].ttft == pytest.approx(prefill_s(1024) + 0.002 + 1e-7 * shipped * 1000)
+
+
 def test_a_short_prompt_is_prefilled_where_it_is_decoded():
     rng = random.Random(5)
     result = run_checked(SimConfig(prefill_replicas=1, decode_replicas=1), [SimRequest(0, 0.0, ids(rng, 64), 3)])

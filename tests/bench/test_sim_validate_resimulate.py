@@ -56,6 +56,30 @@ def test_a_recorded_run_with_step_traces_is_simulated_again_with_profiles_fitted
                                       "TPOT p90 (ms) 6 of 6; "), fitted.group(1)
 
 
+def test_what_shipping_costs_the_prefill_worker_moves_the_disaggregated_ttft_and_nothing_colocated():
+    """The third Xeon pd run with its profile and with the same plus the measured export terms (its
+    ``profile_with_export.json``): the disaggregated cells' simulated TTFT grows (the prefill worker's steps
+    take longer), their measured TTFT was above it (the errors shrink), and colocated cells do not move."""
+    base = ROOT / "docs" / "bench" / "sim_validate" / "pd_8_xeon_traces_3"
+
+    def ttft_errors(profile: Path) -> dict[str, list[float]]:
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_validate.py"), "--resimulate",
+                               str(base / "sim_validate.json"), "--profile", str(profile)],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        tables = done.stdout.split("each run simulated")[0]
+        errors: dict[str, list[float]] = {}
+        for mode, block in re.findall(r"^(colocated|disaggregated) @ [\d.]+ req/s\n((?:.*\n)*?)\n", tables, re.M):
+            ttft = re.findall(r"^\| TTFT p[59]0 \(ms\) \| [\d.]+ \| [\d.]+ \| ([+-][\d.]+) %", block, re.M)
+            errors.setdefault(mode, []).extend(float(e) for e in ttft)
+        return errors
+
+    plain, shipping = ttft_errors(base / "sim_validate_profile.json"), ttft_errors(base / "profile_with_export.json")
+    assert len(plain["disaggregated"]) == len(shipping["disaggregated"]) == 6
+    assert len(plain["colocated"]) == 6 and plain["colocated"] == shipping["colocated"]
+    assert all(p < s <= 0 for p, s in zip(plain["disaggregated"], shipping["disaggregated"], strict=True))
+
+
 def test_the_measured_figures_interval_is_wide_where_a_percentile_sits_at_a_cliff():
     """A measured percentile of a few dozen requests has its own uncertainty: the bootstrap interval.
     Half the requests at ~200 ms (a cached prefix) and half at ~2,000 (none): the median can be either."""

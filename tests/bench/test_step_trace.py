@@ -34,9 +34,9 @@ def scheduled(*items: tuple[int, int]):
     return SimpleNamespace(scheduled=[SimpleNamespace(start=s, num_tokens=n) for s, n in items])
 
 
-def write_known_trace(path, model: StepModel = KNOWN, scale: float = 1.0):
+def write_known_trace(path, model: StepModel = KNOWN, scale: float = 1.0, header: dict = HEADER):
     """A trace of varied steps whose seconds are ``model``'s times ``scale``."""
-    writer = StepTraceWriter(path, HEADER)
+    writer = StepTraceWriter(path, header)
     steps = [scheduled((0, n)) for n in (16, 64, 256, 1024, 2048)]
     steps += [scheduled(*[(c, 1)] * b) for b in (1, 4, 16, 64) for c in (32, 512, 2048)]
     steps += [scheduled((c, 1), (0, n)) for c in (64, 1024) for n in (128, 512)]
@@ -92,6 +92,16 @@ def test_a_profile_fitted_to_traces_recovers_the_steps_model_and_keeps_the_trans
     # the steps of a cluster 10% slower than the engine alone
     write_known_trace(tmp_path / "slow.jsonl", scale=1.1)
     assert speed_against(KNOWN, read_trace(tmp_path / "slow.jsonl")[1]) == pytest.approx(1.1)
+
+
+def test_a_profile_fitted_to_traces_holds_what_shipping_kv_cost_in_its_steps_not_on_top(tmp_path):
+    """A prefill worker's traced steps already took what shipping their KV added: the fitted profile's
+    transfer models come without the export terms, so the simulator does not add them a second time."""
+    source = Profile("measured", {"name": "m", "kv_bytes_per_token": 64}, {}, KNOWN,
+                     {"grpc": TransferModel(0.003, 1e-9, 0.05, 2e-8)})
+    write_known_trace(tmp_path / "p.jsonl", header={**HEADER, "role": "prefill"})
+    profile, _ = profile_from_traces([tmp_path / "p.jsonl"], source)
+    assert profile.transfer["grpc"] == TransferModel(0.003, 1e-9) and not profile.ships_with_cost("grpc")
 
 
 def test_the_first_seconds_of_a_trace_can_be_left_out(tmp_path):
