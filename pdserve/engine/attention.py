@@ -117,6 +117,8 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        out_dtype: torch.dtype | None = None,  # the output's, where not q's (a bf16 o projection's input:
+                                               # model.Attention.bf16_out), rounded as .to rounds
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 
@@ -141,12 +143,15 @@ class TorchPagedAttention:
     def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         write_kv(k, v, k_cache, v_cache, meta)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``out_dtype``: the output's dtype where not q's (bfloat16 for a bf16 o projection; a step with a
+        prompt chunk: each value rounded as ``.to`` would round it); a decode-only step returns q's."""
         self.write(k, v, k_cache, v_cache, meta)
         d = meta.num_decodes
         if not meta.prefills and d == q.shape[0]:  # a decode-only step: no copy into a shared output
             return self.decode(q, k_cache, v_cache, meta)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q, dtype=out_dtype or q.dtype)
         if d:
             out[:d] = self.decode(q[:d], k_cache, v_cache, meta)
         for chunk in meta.prefills:
@@ -272,10 +277,12 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def prefill_into(self, out, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> None:
         """The C kernel writes the chunk's rows of the step's output in place (no copy of the chunk's
-        answer into them: ~2% of a 4 x 512-token prefill step with bf16 weights on 2 AMX Xeon cores)."""
+        answer into them: ~2% of a 4 x 512-token prefill step with bf16 weights on 2 AMX Xeon cores), in
+        float32 or bfloat16 (``forward``'s ``out_dtype``)."""
         from pdserve.engine.cpu_kernels import rows_of_heads
 
-        if not rows_of_heads(out) or self._kernel_prefill(q, k_cache, v_cache, chunk, out) is None:
+        if (not rows_of_heads(out, (torch.float32, torch.bfloat16))
+                or self._kernel_prefill(q, k_cache, v_cache, chunk, out) is None):
             super().prefill_into(out, q, k, v, k_cache, v_cache, chunk)
 
     def _kernel_prefill(self, q, k_cache, v_cache, chunk: PrefillChunk, out=None) -> torch.Tensor | None:

@@ -105,7 +105,7 @@ def load_kernels() -> ctypes.CDLL | None:
         "write_kv_bf16": [ptr] * 6 + [i64] * 6,
         "gemm_rows_f32": [ptr] * 3 + [i64] * 3,
         "gemm_rows_bf16_f32": [ptr] * 3 + [i64] * 3,
-        "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32, i64, i64],
+        "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32, i64, i64, i64],
         "paged_attention_f32_fits": [i64] * 4,
         "paged_prefill_bf16_products": [],
         **{f"gguf_gemm_{t}": [ptr] * 3 + [i64] * 4 for t in GGUF_KERNEL_TYPES},
@@ -154,7 +154,8 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     within ``window`` positions when it is non-zero. ``bf16_products``: the scores and the values
     multiplied in bfloat16 (dot products; where the kernels were built with them, else float32).
     None when the kernel could not allocate its scratch (the caller computes it another way). ``out``:
-    where the answer goes (``[n, H, D]`` float32, ``rows_of_heads``), else a new tensor."""
+    where the answer goes (``[n, H, D]``, ``rows_of_heads``: float32, or bfloat16 rounded as ``.to``
+    rounds), else a new float32 tensor."""
     n, h, d = q.shape
     _, kvh, bs, _ = v_cache.shape
     if out is None:
@@ -162,7 +163,7 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     failed = lib.paged_prefill_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(), out.data_ptr(), n,
         context_len, window, h, kvh, d, bs, q.stride(0), out.stride(0), scale, int(bf16_products),
-        int(v_cache.dtype == torch.bfloat16),
+        int(v_cache.dtype == torch.bfloat16), int(out.dtype == torch.bfloat16),
     )
     return None if failed else out
 
@@ -273,9 +274,9 @@ def gemm_rows(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.
     return out
 
 
-def rows_of_heads(x: torch.Tensor) -> bool:
-    """``[T, heads, D]`` float32 with each row's heads contiguous (rows may be apart)."""
-    return x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+def rows_of_heads(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """``[T, heads, D]`` of ``dtypes`` (float32) with each row's heads contiguous (rows may be apart)."""
+    return x.dtype in dtypes and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def write_kv(lib, k, v, k_cache, v_cache, blocks: torch.Tensor, offsets: torch.Tensor) -> None:

@@ -88,7 +88,8 @@ class TritonPagedAttention:
     def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         self.kernels.store_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if meta.window:
             raise NotImplementedError("the Triton attention kernels do not mask a sliding window yet (Gemma 3's "
                                       "local layers); serve this model on the CPU (--device cpu)")
@@ -102,7 +103,7 @@ class TritonPagedAttention:
             b = self.prefill_batch(meta, q.device)
             self.kernels.paged_prefill(q, k_cache, v_cache, out, b.block_ids, b.table_starts, b.q_starts, b.q_lens,
                                        b.ctx_lens, b.max_q_len, self.scale)
-        return out
+        return out if out_dtype is None else out.to(out_dtype)
 
     def prefill_batch(self, meta: AttentionMetadata, device: torch.device) -> PrefillBatch:
         if self._batch_of is None or self._batch_of[0] is not meta:

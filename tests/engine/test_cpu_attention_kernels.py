@@ -144,6 +144,26 @@ def check_prefill_cases(products: str = "float32", kv_dtype=torch.float32) -> No
             torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
+def check_prefill_bf16_out(products: str = "float32", kv_dtype=torch.float32) -> None:
+    """The kernel writing its output in bfloat16 (a bf16 o projection's input: ``forward``'s out_dtype) gives
+    the float32 output rounded as ``.to`` rounds it, bit for bit, into the chunk's rows of a step's output."""
+    torch.manual_seed(1)
+    for heads, kv_heads, head_dim, block_size, context_len, query_len, window in PREFILL_CASES:
+        backend = CpuPagedAttention(heads, kv_heads, head_dim)
+        backend.prefill_products = products
+        total = context_len + query_len
+        keys, values = torch.randn(total, kv_heads, head_dim), torch.randn(total, kv_heads, head_dim)
+        q = torch.randn(query_len, (heads + 2 * kv_heads) * head_dim)[:, : heads * head_dim].view(
+            query_len, heads, head_dim)
+        k_cache, v_cache, table = paged(keys, values, block_size, dtype=kv_dtype)
+        chunk = PrefillChunk(0, query_len, context_len, table, window)
+        wide = backend.prefill(q, keys[context_len:], values[context_len:], k_cache, v_cache, chunk)
+        step = torch.full((query_len + 3, heads, head_dim), 7.0, dtype=torch.bfloat16)  # 3 rows of others
+        backend.prefill_into(step[3:], q, keys[context_len:], values[context_len:], k_cache, v_cache, chunk)
+        assert torch.equal(step[3:], wide.to(torch.bfloat16)), (heads, head_dim, context_len, query_len, products)
+        assert (step[:3] == 7).all()
+
+
 DECODE_CASES = [  # heads, kv_heads, head_dim, block_size, context lengths, window
     (9, 3, 64, 16, [1, 17, 300, 1000, 128, 129], 0),
     (9, 3, 64, 16, [700], 0),  # one request: its heads split across the threads
@@ -174,6 +194,7 @@ def check_cases() -> None:
     check_prefill_cases("kernel_bf16")  # AVX2: the float32 products (the kernels have no bf16 here)
     check_prefill_cases(kv_dtype=torch.bfloat16)
     check_decode_cases(torch.bfloat16)
+    check_prefill_bf16_out("kernel_bf16", torch.bfloat16)
 
 
 @needs_kernels
@@ -191,6 +212,12 @@ def test_the_prefill_kernel_in_bfloat16_products_stays_close():
         amx = amx_tiles() and isa != "avx512_bf16"
         assert load_kernels().paged_prefill_bf16_products() == (2 if amx else 1)
     check_prefill_cases("kernel_bf16")
+
+
+@needs_kernels
+@pytest.mark.parametrize("products, kv_dtype", [("float32", torch.float32), ("kernel_bf16", torch.bfloat16)])
+def test_the_prefill_kernel_writes_a_bfloat16_output_as_torch_rounds_its_float32_one(products, kv_dtype):
+    check_prefill_bf16_out(products, kv_dtype)
 
 
 @needs_kernels

@@ -445,6 +445,48 @@ def test_a_bf16_model_between_norms_and_projections_stays_in_bfloat16_with_the_s
     torch.testing.assert_close(narrow, torch_ops, rtol=1e-4, atol=1e-4)
 
 
+def test_a_bf16_models_attention_writes_its_output_in_bfloat16_for_the_o_projection(make_engine, monkeypatch):
+    """bf16 weights, a step with a prompt chunk past the C kernels' rows: attention writes its output in
+    bfloat16 (Attention.bf16_out; the decode rows and, on this tiny model's heads, SDPA's chunk copied in,
+    the C kernel's rounded as ``.to`` rounds: test_cpu_attention_kernels), which o_proj's bfloat16 product
+    reads as it is; every logprob (the prompts', the decodes' beside them) bit for bit what a float32
+    output rounded by o_proj gives."""
+    from pdserve.engine.attention import TorchPagedAttention
+    from pdserve.engine.sampling_params import SamplingParams
+
+    engine = make_engine(loaded=load_model("random:tiny", progress=False, seed=3, quantization="bf16"),
+                         quantization="bf16", kv_cache_dtype="bfloat16", max_num_batched_tokens=128)
+    attns = [m for m in engine.runner.model.modules() if isinstance(m, Attention)]
+    if not all(a.bf16_out for a in attns) or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("needs the C kernels and oneDNN's bfloat16")
+    asked = []
+    forward = TorchPagedAttention.forward
+    monkeypatch.setattr(TorchPagedAttention, "forward",
+                        lambda self, *a, **kw: asked.append(kw.get("out_dtype")) or forward(self, *a, **kw))
+    def run(bf16_out: bool) -> list:
+        for a in attns:
+            a.bf16_out = bf16_out
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+        prompts = [torch.randint(100, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+                   for n in (40, 70, 100)]
+        seen = []
+        engine.add_request("a", prompts[0], params)
+        for _ in range(3):  # "a" decoding when the others' chunks come (mixed steps)
+            seen += engine.step()
+        engine.add_request("b", prompts[1], params)
+        engine.add_request("c", prompts[2], params)
+        while engine.has_unfinished():
+            seen += engine.step()
+        return [(o.request_id, o.new_token_ids, o.new_logprobs, o.prompt_logprobs) for o in seen]
+
+    narrow = run(True)
+    assert torch.bfloat16 in asked
+    asked.clear()
+    wide = run(False)
+    assert torch.bfloat16 not in asked
+    assert narrow == wide
+
+
 @pytest.mark.parametrize("method", ["int8", "int4", "awq"])
 def test_weight_only_methods_multiply_the_head_from_q8_0_blocks(float_tiny, method):
     """On CPU the head is Q8_0 blocks; the tied embedding looks up the same weights dequantised, and

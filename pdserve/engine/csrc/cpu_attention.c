@@ -26,7 +26,8 @@
  *
  *   q        rows q_stride floats apart, [H, D] each (a view into the fused qkv projection)
  *   blocks   the sequence's block ids, covering ctx + n positions
- *   out      rows out_stride floats apart, [H, D] each
+ *   out      rows out_stride elements apart, [H, D] each: float32, or bfloat16 where out_bf16 (each value
+ *            rounded as torch rounds float32 to bfloat16)
  *   kv_bf16  whether k and v (the cache) hold bfloat16, else float32
  * paged_attention_f32_fits says whether the attention kernels (this and paged_decode_f32) take
  * a shape. paged_prefill_f32 returns -1 when a thread's scratch could not be allocated (out is
@@ -569,6 +570,18 @@ static inline void finish_row(float *dst, const float *o, float l, int64_t D) {
     const float inv = 1.0f / l;
     for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
 }
+/* The same values rounded to bfloat16 as torch rounds them (f32_to_bf16): the output a bf16 o projection
+ * reads, written at half the bytes and with no rounding pass of its own (paged_prefill_f32's out_bf16). */
+static inline void finish_row_bf16(uint16_t *dst, const float *o, float l, int64_t D) {
+    const float inv = 1.0f / l;
+    int64_t d = 0;
+#if VW == 16
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; d + 16 <= D; d += 16)
+        _mm256_storeu_si256((__m256i *)(dst + d), bf16_round16(_mm512_mul_ps(_mm512_loadu_ps(o + d), vinv)));
+#endif
+    for (; d < D; d++) dst[d] = f32_to_bf16(o[d] * inv);
+}
 
 /* A thread's scratch: the task's queries (scaled) and outputs, row r at r * D; its scores, row r
  * at r * KC; with bf16, the pairs after them. Allocated once per thread (with room for the pairs)
@@ -604,10 +617,10 @@ static float *alloc_scratch(pairs_t *pairs) {
 }
 
 /* One task: KV head h, positions [pb * ppt, pb * ppt + ppt) of the chunk. */
-static void prefill_task(const float *q, const void *k, const void *v, const int64_t *blocks, float *out,
+static void prefill_task(const float *q, const void *k, const void *v, const int64_t *blocks, void *out,
                          float *qs, int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D,
                          int64_t BS, int64_t q_stride, int64_t out_stride, float scale, int64_t pb, int64_t ppt,
-                         int64_t h, const pairs_t *bf, int kvb) {
+                         int64_t h, const pairs_t *bf, int kvb, int out_bf16) {
     const int64_t G = H / KVH;
     float *o = qs + ROWS * MAX_D, *s = o + ROWS * MAX_D;
 
@@ -633,7 +646,11 @@ static void prefill_task(const float *q, const void *k, const void *v, const int
                     KVH, D, BS, bf, kvb);
     for (int64_t r = 0; r < rows; r++) {
         const int64_t pos = p0 + r / G, g = r % G;
-        finish_row(out + pos * out_stride + (h * G + g) * D, o + r * D, l[r], D);
+        const int64_t at = pos * out_stride + (h * G + g) * D;
+        if (out_bf16)
+            finish_row_bf16((uint16_t *)out + at, o + r * D, l[r], D);
+        else
+            finish_row((float *)out + at, o + r * D, l[r], D);
     }
 }
 
@@ -705,9 +722,10 @@ int paged_decode_f32(const float *q, const void *k, const void *v, const int64_t
  * with AVX-512 bf16 dot products, 2 on AMX tiles (built for them and granted by the kernel). */
 int paged_prefill_bf16_products(void) { return BF16_PRODUCTS ? 1 + (AMX_PRODUCTS && amx_products()) : 0; }
 
-int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_t *blocks, float *out,
+int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_t *blocks, void *out,
                        int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                       int64_t q_stride, int64_t out_stride, float scale, int64_t bf16_products, int64_t kv_bf16) {
+                       int64_t q_stride, int64_t out_stride, float scale, int64_t bf16_products, int64_t kv_bf16,
+                       int64_t out_bf16) {
     const int bf16 = BF16_PRODUCTS && bf16_products;
     /* on AMX tiles: the keys and values as pairs, once for the call (pack_kv_pairs), and tasks of as
      * many positions as the rows take (fewer tasks: each rounds its queries and probabilities) */
@@ -751,7 +769,7 @@ int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_
         for (int64_t task = 0; task < tasks; task++) {
             if (qs != NULL) prefill_task(q, k, v, blocks, out, qs, n, ctx, window, H, KVH, D, BS, q_stride,
                                          out_stride, scale, pblocks - 1 - task / KVH, ppt, task % KVH, bf,
-                                         kv_bf16 != 0);
+                                         kv_bf16 != 0, out_bf16 != 0);
         }
 #if AMX_PRODUCTS
         if (amx) _tile_release();

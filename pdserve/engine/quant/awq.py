@@ -51,11 +51,11 @@ Les prix ont augmenté de 3,5 % en un an, selon l'institut national de la statis
 class CausalAttention:
     """Attention for one whole sequence, no KV cache: calibration and perplexity passes."""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-        return out.transpose(0, 1)
+        return out.transpose(0, 1) if out_dtype is None else out.transpose(0, 1).to(out_dtype)
 
 
 @torch.inference_mode()

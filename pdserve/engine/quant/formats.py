@@ -390,11 +390,16 @@ class BF16Linear(QuantLinear):
             return onednn_linear(xb, self.packed, self.padded_rows).to(x.dtype)
         return F.linear(xb, self.qweight).to(x.dtype)
 
+    def takes_bf16(self, rows: int) -> bool:
+        """Whether ``product_bf16`` multiplies ``rows`` rows, rounding a float32 input to bfloat16 first
+        (which an input already in bfloat16, rounded so, skips)."""
+        return self.packed is not None and rows > self.few_rows and self.input_scale is None
+
     def product_bf16(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x W^T`` left in bfloat16 where oneDNN multiplies ``x`` (more than ``few_rows`` rows, a
         packed weight); None where the layer would take another path. The same values ``matmul``
         widens to float32."""
-        if self.packed is None or x.shape[0] <= self.few_rows or self.input_scale is not None:
+        if not self.takes_bf16(x.shape[0]):
             return None
         out = self._amx(x, torch.bfloat16)
         return out if out is not None else onednn_linear(x.to(torch.bfloat16), self.packed, self.padded_rows)
