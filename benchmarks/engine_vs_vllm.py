@@ -353,7 +353,8 @@ def _stop(proc: subprocess.Popen) -> None:
 SERVERS = {"vllm": "vllm serve", "vllm-bf16": "vllm serve --dtype bfloat16", "colocated": "pdserve colocated",
            "colocated-bf16": "pdserve colocated, bf16 weights",
            "colocated-bf16-kv16": "pdserve colocated, bf16 weights and KV cache",
-           "colocated-p512": "pdserve colocated, --max-prefill-tokens 512", "1p1d": "pdserve 1 prefill + 1 decode"}
+           "colocated-p512": "pdserve colocated, --max-prefill-tokens 512", "1p1d": "pdserve 1 prefill + 1 decode",
+           "1p1d-bf16-kv16": "pdserve 1 prefill + 1 decode, bf16 weights and KV cache"}
 
 
 def serve_servers(args, port: int) -> dict[str, list[str]]:
@@ -381,6 +382,8 @@ def serve_servers(args, port: int) -> dict[str, list[str]]:
         "colocated-p512": lambda: [*pd("colocated-p512"), "--prefill", "0", "--decode", "1",
                                    "--max-prefill-tokens", "512"],
         "1p1d": lambda: [*pd("1p1d"), "--prefill", "1", "--decode", "1"],
+        "1p1d-bf16-kv16": lambda: [*pd("1p1d-bf16-kv16"), "--prefill", "1", "--decode", "1", "--quantization", "bf16",
+                                   "--kv-cache-dtype", "bfloat16"],
     }
     return {SERVERS[name]: (ports[name], commands[name]()) for name in names}
 

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
 
 READY = "kv sink listening on "
+START_TIMEOUT_S = 60.0  # for it to serve (an import of grpc and a bind: about a second here)
 MAX_MESSAGE_BYTES = 256 << 20  # as the senders' channels allow (kvtransfer/grpc_backend.py)
 
 
@@ -76,10 +78,12 @@ class Sink:
         if others:
             with contextlib.suppress(OSError):  # none of them allowed here: it stays where it started
                 os.sched_setaffinity(self.proc.pid, others)
-        line = self.proc.stdout.readline()  # blocks until it serves, or until it exits
+        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
+        line = self.proc.stdout.readline() if ready else ""  # (a line, or "" where it exited)
         if not line.startswith(READY):
             self.__exit__(None, None, None)
-            raise RuntimeError(f"the KV sink did not start (exit code {self.proc.returncode}, said {line!r})")
+            raise RuntimeError(f"the KV sink did not start within {START_TIMEOUT_S:g} s "
+                               f"(exit code {self.proc.returncode}, said {line!r})")
         return line[len(READY):].strip()
 
     def __exit__(self, *exc) -> None:

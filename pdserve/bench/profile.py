@@ -511,9 +511,10 @@ def fit_transfer(points: list[tuple[int, float]]) -> TransferModel:
 
 
 def measure_transfers(engine, backends: list[str], sizes: list[int], reps: int = 3,
-                      export_sizes: list[int] = ()) -> tuple[dict[str, TransferModel], dict]:
+                      export_prompts: list[int] = ()) -> tuple[dict[str, TransferModel], dict]:
     """A TransferModel per measurable backend, and a note per backend about how (or why not); on a CPU
-    engine with ``export_sizes``, grpc's export slowdown of the engine's steps too (``_export_slowdown``)."""
+    engine with ``export_prompts`` (prompt sizes), grpc's export slowdown of the engine's steps too
+    (``_export_slowdown``; kept non-negative: on a busy machine a difference of medians can be)."""
     models, notes = {}, {}
     for backend in backends:
         if backend in UNMEASURED_BACKENDS:
@@ -523,9 +524,10 @@ def measure_transfers(engine, backends: list[str], sizes: list[int], reps: int =
         if backend == "grpc":
             points = asyncio.run(_grpc_transfers(engine, sizes, reps))
             notes[backend] = "to a decode worker server in this process over 127.0.0.1"
-            if engine.config.device == "cpu" and export_sizes:  # the sender shares the engine's cores
-                slowdown, where = _export_slowdown(engine, list(export_sizes), reps + 2)
-                export = fit_transfer(slowdown)
+            if engine.config.device == "cpu" and export_prompts:  # the sender shares the engine's cores
+                slowdown, where = _export_slowdown(engine, list(export_prompts), reps + 2)
+                fitted = fit_transfer(slowdown)
+                export = TransferModel(max(fitted.overhead_s, 0.0), max(fitted.s_per_byte, 0.0))
                 notes[backend] += ("; a step shipping its KV to a sink in another process, over the same step "
                                    "alone: " + ", ".join(f"{b / 1e6:.1f} MB +{1e3 * t:.0f} ms" for b, t in slowdown)
                                    + f" ({where})")
@@ -641,7 +643,7 @@ def measure(config: ProfileConfig, progress: bool = True) -> tuple[Profile, list
     step_seconds = time.perf_counter() - started
     step, fit = fit_with_holdout(samples, config.seed)
     transfer, notes = measure_transfers(engine, config.backends, sizes, reps=2 if config.quick else 3,
-                                        export_sizes=export_sizes(config.quick, config.budget))
+                                        export_prompts=export_sizes(config.quick, config.budget))
     fit.update(measured_seconds=round(step_seconds, 1), transfer=notes,
                note="steps timed from schedule to outputs (LLMEngine.step); holdout: the same fit on 80% "
                     "of the steps, predicting the other 20%")
