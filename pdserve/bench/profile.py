@@ -83,7 +83,8 @@ class ProfileConfig:
     from_trace: str = doc("", "fit the profile to the steps of serving workers instead of measuring: their "
                               "--step-trace files, comma-separated (no engine run here)")
     transfer_from: str = doc("", "--from-trace: take the KV transfer models (and request overhead) from this "
-                                 "profile (a trace holds neither; empty: none)")
+                                 "profile (a trace holds neither; empty: none), without what shipping adds to a "
+                                 "prefill worker's steps (its traced steps hold that)")
     trace_skip_s: float = doc(5.0, "--from-trace: leave out each trace's steps in its first seconds (a worker's "
                                    "first steps build oneDNN's kernels)")
     serving_url: str = doc("", "also measure a request's time outside engine steps through the OpenAI server (a "
