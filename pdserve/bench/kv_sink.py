@@ -22,10 +22,10 @@ import select
 import signal
 import subprocess
 import sys
-import zlib
 
 import grpc
 
+from pdserve.kvtransfer.base import checksum
 from pdserve.proto.v1 import worker_pb2 as pb
 from pdserve.proto.v1 import worker_pb2_grpc as pb_grpc
 
@@ -35,18 +35,15 @@ MAX_MESSAGE_BYTES = 256 << 20  # as the senders' channels allow (kvtransfer/grpc
 
 
 class SinkServicer(pb_grpc.WorkerServicer):
-    """PushKV only: chunks checked and dropped; the other methods stay unimplemented (UNIMPLEMENTED)."""
-
-    def __init__(self):
-        self.bytes_received = 0
+    """PushKV only: chunks checked (the senders' ``checksum``) and dropped; the other methods stay
+    unimplemented (UNIMPLEMENTED)."""
 
     async def PushKV(self, request_iterator, context) -> pb.PushKVResponse:
         async for chunk in request_iterator:
             if chunk.commit:
                 return pb.PushKVResponse(ok=True)
-            if zlib.crc32(chunk.values, zlib.crc32(chunk.keys)) != chunk.checksum:
+            if checksum(chunk.keys, chunk.values) != chunk.checksum:
                 return pb.PushKVResponse(ok=False, error=f"checksum: layer {chunk.layer} block {chunk.first_block}")
-            self.bytes_received += len(chunk.keys) + len(chunk.values)
         return pb.PushKVResponse(ok=False, error="the stream ended without a commit")
 
 

@@ -287,11 +287,8 @@ class Attention(nn.Module):
             # comes in bfloat16 from attention where o_proj rounds it so (the values o_proj's own rounding gives;
             # written at half the bytes: a 4 x 512-token step on 2 AMX Xeon cores ~5% faster)
             narrow = x.dtype is torch.bfloat16 and self.bf16_qkv
-            if narrow and self.bf16_out and self.o_proj.takes_bf16(t):
-                out = backend.forward(q, k, v, k_cache, v_cache, meta, out_dtype=torch.bfloat16)
-            else:
-                out = backend.forward(q, k, v, k_cache, v_cache, meta)
-            out = out.reshape(-1, self.q_size)
+            out_dtype = torch.bfloat16 if narrow and self.bf16_out and self.o_proj.takes_bf16(t) else None
+            out = backend.forward(q, k, v, k_cache, v_cache, meta, out_dtype=out_dtype).reshape(-1, self.q_size)
             product = self.o_proj.product_bf16(out) if narrow else None
             return product if product is not None else self.o_proj(out)
         # q and k sit side by side in qkv: rotate them in one go.
