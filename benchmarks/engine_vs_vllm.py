@@ -67,7 +67,8 @@ def phases(reps: int, seed: int) -> list[dict]:
 
 # pdserve's variants: (dtype, quantization, kv_cache_dtype)
 VARIANTS = {"float32": ("float32", "none", "auto"), "bfloat16": ("bfloat16", "none", "auto"),
-            "bf16": ("float32", "bf16", "auto"), "bf16-kv16": ("float32", "bf16", "bfloat16")}
+            "bf16": ("float32", "bf16", "auto"), "bf16-kv16": ("float32", "bf16", "bfloat16"),
+            "bf16-kv8": ("float32", "bf16", "int8")}
 
 
 def pdserve_child(input_path: str, output_path: str, cpu_isa: str, variant: str, threads: int) -> None:
@@ -350,9 +351,11 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-SERVERS = {"vllm": "vllm serve", "vllm-bf16": "vllm serve --dtype bfloat16", "colocated": "pdserve colocated",
+SERVERS = {"vllm": "vllm serve", "vllm-bf16": "vllm serve --dtype bfloat16",
+           "vllm-bf16-fp8kv": "vllm serve --dtype bfloat16 --kv-cache-dtype fp8", "colocated": "pdserve colocated",
            "colocated-bf16": "pdserve colocated, bf16 weights",
            "colocated-bf16-kv16": "pdserve colocated, bf16 weights and KV cache",
+           "colocated-bf16-kv8": "pdserve colocated, bf16 weights, int8 KV cache",
            "colocated-p512": "pdserve colocated, --max-prefill-tokens 512", "1p1d": "pdserve 1 prefill + 1 decode",
            "1p1d-bf16-kv16": "pdserve 1 prefill + 1 decode, bf16 weights and KV cache"}
 
@@ -375,10 +378,16 @@ def serve_servers(args, port: int) -> dict[str, list[str]]:
         "vllm-bf16": lambda: [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "serve", model, "--dtype",
                               "bfloat16", "--host", "127.0.0.1", "--port", str(ports["vllm-bf16"]),
                               "--max-model-len", "4096", "--no-enable-prefix-caching"],
+        "vllm-bf16-fp8kv": lambda: [args.vllm_python, str(ROOT / "benchmarks" / "vllm_cpu.py"), "serve", model,
+                                    "--dtype", "bfloat16", "--kv-cache-dtype", "fp8", "--host", "127.0.0.1", "--port",
+                                    str(ports["vllm-bf16-fp8kv"]), "--max-model-len", "4096",
+                                    "--no-enable-prefix-caching"],
         "colocated": lambda: [*pd("colocated"), "--prefill", "0", "--decode", "1"],
         "colocated-bf16": lambda: [*pd("colocated-bf16"), "--prefill", "0", "--decode", "1", "--quantization", "bf16"],
         "colocated-bf16-kv16": lambda: [*pd("colocated-bf16-kv16"), "--prefill", "0", "--decode", "1",
                                         "--quantization", "bf16", "--kv-cache-dtype", "bfloat16"],
+        "colocated-bf16-kv8": lambda: [*pd("colocated-bf16-kv8"), "--prefill", "0", "--decode", "1",
+                                       "--quantization", "bf16", "--kv-cache-dtype", "int8"],
         "colocated-p512": lambda: [*pd("colocated-p512"), "--prefill", "0", "--decode", "1",
                                    "--max-prefill-tokens", "512"],
         "1p1d": lambda: [*pd("1p1d"), "--prefill", "1", "--decode", "1"],
@@ -489,7 +498,8 @@ def main() -> int:
     parser.add_argument("--pdserve", default="float32",
                         help="comma-separated pdserve variants: float32, bfloat16 (--dtype bfloat16: weights, "
                              "activations and KV cache), bf16 (--quantization bf16: bfloat16 weights in a float32 "
-                             "model), bf16-kv16 (bf16 with --kv-cache-dtype bfloat16) (default: float32)")
+                             "model), bf16-kv16 (bf16 with --kv-cache-dtype bfloat16), bf16-kv8 (bf16 with "
+                             "--kv-cache-dtype int8) (default: float32)")
     parser.add_argument("--threads", type=int, default=2, help="threads per engine (default: 2)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each workload (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="prompt ids seed (default: 0)")

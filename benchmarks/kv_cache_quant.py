@@ -8,7 +8,10 @@ float32 weights or --quantization's) and same run: KV bytes per token (what a tr
 prompt token), blocks in 1 GiB, tokens/s from the first token to the last at batch 1 and 16 (prompts
 of --prompt-len tokens, --max-tokens greedy tokens each; the 16 are added at once, so their prefills
 count too: benchmarks/decode_steps.py times decode steps alone), and greedy agreement with the
-first dtype's cache (the fraction of generated tokens before each request's first difference).
+first dtype's cache (the fraction of generated tokens before each request's first difference), and
+the perplexity of benchmarks/data/public_domain.txt through the engine with each cache (as
+benchmarks/quantization.py scores it: each window a prompt, its tokens' logprobs from the kernels
+that serve it).
 Prints a table with the processor's flags; writes JSON to --result-dir.
 """
 
@@ -59,6 +62,9 @@ def main() -> None:
                    help="cache dtypes to run, comma-separated, the first the baseline (default: %(default)s)")
     p.add_argument("--quantization", default="none",
                    help="the weights: none (float32) or any of EngineConfig.quantization's (default: %(default)s)")
+    p.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of the text scored (default: %(default)s)")
+    p.add_argument("--ppl-window", type=int, default=512,
+                   help="context window of the perplexity pass (default: %(default)s)")
     p.add_argument("--result-dir", default="bench-results", help="where the JSON goes (default: %(default)s)")
     args = p.parse_args()
 
@@ -68,6 +74,9 @@ def main() -> None:
     from pdserve.engine import EngineConfig, LLMEngine
     from pdserve.engine.cpu_isa import describe_cpu
     from pdserve.engine.loader import load_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from quantization import perplexity
 
     torch.set_num_threads(args.threads)
     dtypes = args.dtypes.split(",")
@@ -90,23 +99,25 @@ def main() -> None:
         one, out1 = decode_run(engine, prompts[:1], args.max_tokens)
         sixteen, out16 = decode_run(engine, prompts[1:], args.max_tokens)
         outputs[dtype] = out1 + out16
+        ppl, _ = perplexity(engine, args)
         name = str(cache.dtype).removeprefix("torch.") if dtype == "auto" else dtype
-        rows.append({"dtype": name, "bytes_per_token": per_token,
-                     "blocks_per_gib": engine.kv.num_blocks, "tok_s_1": one, "tok_s_16": sixteen})
+        rows.append({"dtype": name, "bytes_per_token": per_token, "blocks_per_gib": engine.kv.num_blocks,
+                     "tok_s_1": one, "tok_s_16": sixteen, "perplexity": ppl})
     for row, dtype in zip(rows, dtypes):
         row["agreement"] = agreement(outputs[dtype], outputs[dtypes[0]])
     base = rows[0]
     weights = "float32" if args.quantization == "none" else args.quantization
     print(f"\nCPU: {describe_cpu()}")
     print(f"KV-cache dtype, SmolLM2-135M-Instruct {weights} weights, {args.threads} threads, prompts of "
-          f"{args.prompt_len} tokens, {args.max_tokens} greedy tokens")
+          f"{args.prompt_len} tokens, {args.max_tokens} greedy tokens; perplexity over {args.ppl_tokens} tokens")
     print(f"KV cache | bytes/token | vs {base['dtype']} | blocks in 1 GiB | decode tok/s, batch 1 | batch 16 | "
-          f"greedy agreement with {base['dtype']}")
-    print("--- | --- | --- | --- | --- | --- | ---")
+          f"greedy agreement with {base['dtype']} | perplexity")
+    print("--- | --- | --- | --- | --- | --- | --- | ---")
     for r in rows:
         print(f"{r['dtype']} | {r['bytes_per_token']:.0f} | {r['bytes_per_token'] / base['bytes_per_token']:.2f}x | "
               f"{r['blocks_per_gib']} | {r['tok_s_1']:.1f} ({r['tok_s_1'] / base['tok_s_1']:.2f}x) | "
-              f"{r['tok_s_16']:.1f} ({r['tok_s_16'] / base['tok_s_16']:.2f}x) | {r['agreement']:.1%}")
+              f"{r['tok_s_16']:.1f} ({r['tok_s_16'] / base['tok_s_16']:.2f}x) | {r['agreement']:.1%} | "
+              f"{r['perplexity']:.3f}")
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kv_cache_quant.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

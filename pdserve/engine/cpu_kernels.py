@@ -103,6 +103,7 @@ def load_kernels() -> ctypes.CDLL | None:
         "silu_mul_bf16": [ptr] * 2 + [i64] * 2,
         "write_kv_f32": [ptr] * 6 + [i64] * 6,
         "write_kv_bf16": [ptr] * 6 + [i64] * 6,
+        "write_kv_i8": [ptr] * 6 + [i64] * 6,
         "gemm_rows_f32": [ptr] * 3 + [i64] * 3,
         "gemm_rows_bf16_f32": [ptr] * 3 + [i64] * 3,
         "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32, i64, i64, i64],
@@ -128,20 +129,25 @@ def load_kernels() -> ctypes.CDLL | None:
     return lib
 
 
+# What a cache holds, as the attention kernels take it (cpu_attention.c's kv_kind): float32, bfloat16, or an
+# int8 cache's elements (kv_quant.py: the view of each (block, head) row's int8 part, its scales after it)
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
 def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  blocks: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, window: int,
                  scale: float) -> torch.Tensor | None:
     """Decode attention of ``n`` one-token requests (``q`` ``[n, H, D]``; the block table as
     ``AttentionMetadata`` has it, ``attention.windowed``'s when ``window`` is set). None when the
     kernel could not allocate its scratch (the caller computes it another way). The cache: float32 or
-    bfloat16 (``usable_cache``)."""
+    bfloat16 (``usable_cache``), or an int8 cache's elements (``KV_KINDS``)."""
     q = q.contiguous()
     n, h, d = q.shape
     _, kvh, bs, _ = v_cache.shape
     out = torch.empty_like(q)
     failed = lib.paged_decode_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), starts.data_ptr(),
-        lens.data_ptr(), out.data_ptr(), n, window, h, kvh, d, bs, scale, int(v_cache.dtype == torch.bfloat16),
+        lens.data_ptr(), out.data_ptr(), n, window, h, kvh, d, bs, scale, KV_KINDS[v_cache.dtype],
     )
     return None if failed else out
 
@@ -152,7 +158,8 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Attention of a prefill chunk (``q`` ``[n, H, D]``, see ``rows_of_heads``) over its context and
     itself, read from the cache in place (the chunk's keys and values already written); causal, and
     within ``window`` positions when it is non-zero. ``bf16_products``: the scores and the values
-    multiplied in bfloat16 (dot products; where the kernels were built with them, else float32).
+    multiplied in bfloat16 (dot products; where the kernels were built with them, else float32; over an
+    int8 cache, on AMX tiles only).
     None when the kernel could not allocate its scratch (the caller computes it another way). ``out``:
     where the answer goes (``[n, H, D]``, ``rows_of_heads``: float32, or bfloat16 rounded as ``.to``
     rounds), else a new float32 tensor."""
@@ -163,7 +170,7 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     failed = lib.paged_prefill_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(), out.data_ptr(), n,
         context_len, window, h, kvh, d, bs, q.stride(0), out.stride(0), scale, int(bf16_products),
-        int(v_cache.dtype == torch.bfloat16), int(out.dtype == torch.bfloat16),
+        KV_KINDS[v_cache.dtype], int(out.dtype == torch.bfloat16),
     )
     return None if failed else out
 
@@ -281,9 +288,10 @@ def rows_of_heads(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.floa
 
 def write_kv(lib, k, v, k_cache, v_cache, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
     """Store ``k`` and ``v`` (``[T, kv_heads, D]``, see ``rows_of_heads``) in their slots (of a float32
-    or bfloat16 cache: ``usable_cache``)."""
+    or bfloat16 cache: ``usable_cache``; or an int8 cache's elements, ``KV_KINDS``: each token and head
+    quantized as ``kv_quant.quantize`` does, bit for bit, its scale after the block's elements)."""
     t, kvh, d = k.shape
-    kernel = lib.write_kv_bf16 if v_cache.dtype == torch.bfloat16 else lib.write_kv_f32
+    kernel = (lib.write_kv_f32, lib.write_kv_bf16, lib.write_kv_i8)[KV_KINDS[v_cache.dtype]]
     kernel(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), offsets.data_ptr(),
            t, kvh, v_cache.shape[2], d, k.stride(0), v.stride(0))
 

@@ -107,3 +107,71 @@ class QuantizedKVAttention(TorchPagedAttention):
         values = dequantize_values(v_cache, chunk.block_ids, q.dtype)
         local = replace(chunk, block_ids=torch.arange(len(chunk.block_ids), device=chunk.block_ids.device))
         return super().prefill(q, k, v, keys, values, local)
+
+
+class CpuQuantizedKVAttention(QuantizedKVAttention):
+    """An int8 cache on CPU read and written in place by the C kernels: the KV write quantizes as
+    ``quantize`` does, bit for bit (``cpu_kernels.write_kv``), and decode and prefill chunks read the int8
+    blocks as they are, each key's scale applied to its scores and each value's to its probabilities
+    (``csrc/cpu_attention.c``): no dequantized copy of the blocks a step reads. A bf16 model's prefill
+    chunks multiply in bfloat16 on AMX tiles where the processor has them (the blocks dequantized into
+    the tiles' pairs once per call), in float32 elsewhere. Unlike the torch path, a chunk attends to its
+    own keys and values as the cache holds them (quantized), as decode does. fp8, and shapes the kernels
+    do not take: the torch path."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        from pdserve.engine.cpu_kernels import load_kernels
+
+        self.kernels = load_kernels()
+        self.bf16_products = False  # a bf16 model's prefill products (ModelRunner sets it)
+        self._fits_cache: dict[int, bool] = {}
+
+    def _takes(self, v_cache: QuantCache) -> bool:
+        """Whether the kernels take this cache (its values' view: ``[blocks, kv_heads, block_size, head_dim]``)."""
+        data = v_cache.data
+        if self.kernels is None or data.dtype is not torch.int8 or not data.is_cpu:
+            return False
+        block_size = data.shape[2]
+        if block_size not in self._fits_cache:
+            self._fits_cache[block_size] = bool(self.kernels.paged_attention_f32_fits(
+                self.num_heads, self.num_kv_heads, self.head_dim, block_size))
+        return self._fits_cache[block_size]
+
+    def write(self, k, v, k_cache: QuantCache, v_cache: QuantCache, meta: AttentionMetadata) -> None:
+        from pdserve.engine.cpu_kernels import rows_of_heads, write_kv
+
+        if self._takes(v_cache) and rows_of_heads(k) and rows_of_heads(v):
+            write_kv(self.kernels, k, v, k_cache.data, v_cache.data, meta.slot_blocks, meta.slot_offsets)
+        else:
+            super().write(k, v, k_cache, v_cache, meta)
+
+    def decode(self, q, k_cache: QuantCache, v_cache: QuantCache, meta: AttentionMetadata) -> torch.Tensor:
+        from pdserve.engine.cpu_kernels import paged_decode
+
+        if self._takes(v_cache) and q.dtype == torch.float32:
+            out = paged_decode(self.kernels, q, k_cache.data, v_cache.data, meta.decode_block_ids,
+                               meta.decode_starts, meta.decode_lens, meta.window, self.scale)
+            if out is not None:
+                return out
+        return super().decode(q, k_cache, v_cache, meta)
+
+    def prefill(self, q, k, v, k_cache: QuantCache, v_cache: QuantCache, chunk: PrefillChunk) -> torch.Tensor:
+        out = self._kernel_prefill(q, k_cache, v_cache, chunk)
+        return out if out is not None else super().prefill(q, k, v, k_cache, v_cache, chunk)
+
+    def prefill_into(self, out, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> None:
+        from pdserve.engine.cpu_kernels import rows_of_heads
+
+        if (not rows_of_heads(out, (torch.float32, torch.bfloat16))
+                or self._kernel_prefill(q, k_cache, v_cache, chunk, out) is None):
+            super().prefill_into(out, q, k, v, k_cache, v_cache, chunk)
+
+    def _kernel_prefill(self, q, k_cache: QuantCache, v_cache: QuantCache, chunk: PrefillChunk,
+                        out=None) -> torch.Tensor | None:
+        from pdserve.engine.cpu_kernels import paged_prefill, rows_of_heads
+
+        if not self._takes(v_cache) or not rows_of_heads(q):
+            return None
+        return paged_prefill(self.kernels, q, k_cache.data, v_cache.data, chunk.block_ids, chunk.context_len,
+                             chunk.window, self.scale, self.bf16_products, out=out)

@@ -114,9 +114,15 @@ class ModelRunner:
         # (see LlamaForCausalLM.forward), or None when nothing is wanted from this step's layers.
         self.layer_hook: Callable[[list[ScheduledRequest]], Callable[[int], None] | None] | None = None
         if cache_dtype is None:
-            from pdserve.engine.kv_quant import QuantizedKVAttention
+            from pdserve.engine.kv_quant import CpuQuantizedKVAttention, QuantizedKVAttention
 
-            self.backend = QuantizedKVAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            # an int8 cache on CPU (the cpu backend, auto there): read and written in place by the C kernels
+            on_cpu = attention_backend == "cpu" or (attention_backend == "auto" and self.device.type == "cpu")
+            if on_cpu and kv_cache_dtype == "int8":
+                self.backend = CpuQuantizedKVAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+                self.backend.bf16_products = model.bf16_matmuls
+            else:
+                self.backend = QuantizedKVAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         else:
             self.backend = get_backend(attention_backend, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                        self.device.type)

@@ -188,6 +188,73 @@ def check_decode_cases(kv_dtype=torch.float32) -> None:
             torch.testing.assert_close(out[r:r + 1], expected, rtol=1e-4, atol=1e-5)
 
 
+def paged_int8(seqs, block_size, seed=0):
+    """Several sequences' keys and values in one int8 cache (kv_quant.py's layout), each token and head
+    quantized as the KV write quantizes them, in shuffled blocks; unwritten slots random bytes with NaN
+    scales. Returns the keys' and values' views, the tables, and each sequence's keys and values as the
+    cache holds them (dequantized), for the reference."""
+    from pdserve.engine.kv_quant import allocate_quantized_cache, layer_views, quantize
+
+    _, kv_heads, head_dim = seqs[0][0].shape
+    counts = [-(-len(keys) // block_size) for keys, _ in seqs]
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(sum(counts) + 3, generator=gen)
+    cache = allocate_quantized_cache(1, len(order), kv_heads, block_size, head_dim)
+    cache.copy_(torch.randint(0, 256, cache.shape, generator=gen, dtype=torch.uint8))
+    k, v = layer_views(cache, 0, torch.int8, block_size, head_dim)
+    k.scale.fill_(float("nan"))
+    v.scale.fill_(float("nan"))
+    tables, held, used = [], [], 0
+    for (keys, values), count in zip(seqs, counts):
+        table = order[used:used + count]
+        used += count
+        (kq, ks), (vq, vs) = quantize(keys, torch.int8), quantize(values, torch.int8)
+        for t in range(len(keys)):
+            b, o = table[t // block_size], t % block_size
+            k.data[b, :, :, o], k.scale[b, :, o] = kq[t], ks[t]
+            v.data[b, :, o], v.scale[b, :, o] = vq[t], vs[t]
+        tables.append(table)
+        held.append((kq.float() * ks[..., None], vq.float() * vs[..., None]))
+    return k, v, tables, held
+
+
+def check_int8_cases(bf16_products: bool = False) -> None:
+    """Prefill chunks and decode batches over an int8 cache (--kv-cache-dtype int8) through the kernels,
+    against dense attention over the keys and values as the cache holds them. The kernels multiply the
+    integers and apply each key's scale to its scores and each value's to its probabilities: float32's
+    bounds; with bf16 products (AMX tiles, the values dequantized into them) bfloat16's."""
+    from pdserve.engine.kv_quant import CpuQuantizedKVAttention
+
+    torch.manual_seed(2)
+    for heads, kv_heads, head_dim, block_size, context_len, query_len, window in PREFILL_CASES:
+        backend = CpuQuantizedKVAttention(heads, kv_heads, head_dim)
+        backend.bf16_products = bf16_products
+        total = context_len + query_len
+        keys, values = torch.randn(total, kv_heads, head_dim), torch.randn(total, kv_heads, head_dim)
+        q = torch.randn(query_len, (heads + 2 * kv_heads) * head_dim)[:, : heads * head_dim].view(
+            query_len, heads, head_dim)
+        k_cache, v_cache, (table,), ((held_k, held_v),) = paged_int8([(keys, values)], block_size)
+        chunk = PrefillChunk(0, query_len, context_len, table, window)
+        assert backend._kernel_prefill(q, k_cache, v_cache, chunk) is not None, "the kernel, not torch's path"
+        out = backend.prefill(q, keys[context_len:], values[context_len:], k_cache, v_cache, chunk)
+        expected = reference(q, held_k, held_v, context_len, window)
+        if bf16_products:
+            assert (out - expected).abs().max() < 0.05
+            assert (out - expected).pow(2).mean().sqrt() < 0.005
+        else:
+            torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    for heads, kv_heads, head_dim, block_size, lens, window in DECODE_CASES:
+        backend = CpuQuantizedKVAttention(heads, kv_heads, head_dim)
+        seqs = [(torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim)) for n in lens]
+        k_cache, v_cache, tables, held = paged_int8(seqs, block_size)
+        assert backend._takes(v_cache), "the kernel, not torch's path"
+        q = torch.randn(len(lens), heads, head_dim)
+        out = backend.decode(q, k_cache, v_cache, decode_metadata(tables, lens, block_size, window))
+        for r, (held_k, held_v) in enumerate(held):
+            expected = reference(q[r:r + 1], held_k, held_v, lens[r] - 1, window)
+            torch.testing.assert_close(out[r:r + 1], expected, rtol=1e-4, atol=1e-5)
+
+
 def check_cases() -> None:
     check_prefill_cases()
     check_decode_cases()
@@ -195,6 +262,8 @@ def check_cases() -> None:
     check_prefill_cases(kv_dtype=torch.bfloat16)
     check_decode_cases(torch.bfloat16)
     check_prefill_bf16_out("kernel_bf16", torch.bfloat16)
+    check_int8_cases()
+    check_int8_cases(bf16_products=True)  # AVX2: the float32 products
 
 
 @needs_kernels
@@ -323,6 +392,53 @@ def test_the_kv_write_rounds_into_a_bfloat16_cache_as_torch_does(first_offset):
     for kernel, torch_path in zip(*caches):  # (NaN's bits differ between torch's own paths: any NaN)
         torch.testing.assert_close(kernel, torch_path, rtol=0, atol=0, equal_nan=True)
     assert caches[0][0].ne(0).sum() == tokens * kv_heads * head_dim and caches[0][0].isnan().sum() == 1
+
+
+@needs_kernels
+def test_the_kernels_read_an_int8_cache_in_place():
+    """--kv-cache-dtype int8: decode and prefill read the int8 blocks and their scales as they are
+    (kv_quant.CpuQuantizedKVAttention), with float32 products and, for a bf16 model, bf16 ones (on AMX
+    tiles where this processor lends them, else float32)."""
+    check_int8_cases()
+    check_int8_cases(bf16_products=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("first_offset", [0, 8])
+def test_the_kv_write_quantizes_into_an_int8_cache_as_torch_does(first_offset):
+    """write_kv_i8: every token's key and value of each head quantized as kv_quant.quantize quantizes them
+    (the torch path's write), integers and scales bit for bit, an all-zero row and a tie included; the
+    other slots' bytes untouched."""
+    from pdserve.engine.kv_quant import (
+        CpuQuantizedKVAttention,
+        QuantizedKVAttention,
+        allocate_quantized_cache,
+        layer_views,
+    )
+
+    torch.manual_seed(0)
+    kv_heads, head_dim, block_size, tokens = 3, 64, 16, 40
+    fused = torch.randn(tokens, (3 + 2 * kv_heads) * head_dim) * 10
+    k = fused[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)  # rows apart, as the model's
+    v = fused[:, kv_heads * head_dim: 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    k[1, 0] = 0.0  # the scale's floor
+    k[2, 1, :2] = torch.tensor([127.0, 0.5])  # scale 1: 0.5 a tie, to even (0)
+    blocks = torch.randperm(8)[:4].repeat_interleave(block_size)[first_offset: first_offset + tokens]
+    offsets = (torch.arange(tokens) + first_offset) % block_size
+    none = blocks[:0]
+    meta = AttentionMetadata(slot_blocks=blocks, slot_offsets=offsets, num_decodes=0, decode_block_ids=none,
+                             decode_block_req=none, decode_block_mask=torch.empty(0, block_size, dtype=torch.bool),
+                             decode_starts=blocks[:1], decode_lens=none, prefills=[])
+    caches = []
+    for backend in (CpuQuantizedKVAttention(9, kv_heads, head_dim), QuantizedKVAttention(9, kv_heads, head_dim)):
+        cache = allocate_quantized_cache(1, 8, kv_heads, block_size, head_dim).fill_(0x5a)
+        k_cache, v_cache = layer_views(cache, 0, torch.int8, block_size, head_dim)
+        backend.write(k, v, k_cache, v_cache, meta)
+        caches.append(cache)
+    assert torch.equal(caches[0], caches[1])  # (both from the same bytes: the same slots written, no others)
+    k_cache, _ = layer_views(caches[0], 0, torch.int8, block_size, head_dim)
+    assert k_cache.scale[blocks[1], 0, offsets[1]] == torch.tensor(1e-8) / 127
+    assert k_cache.data[blocks[2], 1, :2, offsets[2]].tolist() == [127, 0]
 
 
 @needs_kernels

@@ -28,7 +28,8 @@
  *   blocks   the sequence's block ids, covering ctx + n positions
  *   out      rows out_stride elements apart, [H, D] each: float32, or bfloat16 where out_bf16 (each value
  *            rounded as torch rounds float32 to bfloat16)
- *   kv_bf16  whether k and v (the cache) hold bfloat16, else float32
+ *   kv_kind  what k and v (the cache) hold: KV_F32 (0), KV_BF16 (1) or KV_I8 (2: bytes, each
+ *            (block, head) row its int8 elements then a float32 scale per slot, kv_quant.py)
  * paged_attention_f32_fits says whether the attention kernels (this and paged_decode_f32) take
  * a shape. paged_prefill_f32 returns -1 when a thread's scratch could not be allocated (out is
  * then incomplete), else 0. */
@@ -41,12 +42,28 @@ static inline void vstore(float *p, vf v) { *(vf *)p = v; }
 
 /* A bfloat16 cache (--kv-cache-dtype bfloat16): each key and value the upper half of a float32,
  * widened as it is loaded (cpu_vec.h), so decode streams half the bytes and the arithmetic stays
- * float32. kvb (a constant where the tiles are inlined with one): whether the cache is bfloat16;
- * cache pointers are bytes, kv_at finds element i past one. */
+ * float32. An int8 cache (--kv-cache-dtype int8, kv_quant.py): each (block, head) row holds the
+ * block's int8 keys or values, then a float32 scale per slot; the integers are widened as they are
+ * loaded and each key's scale applied to its scores (scale_columns), each value's to its
+ * probabilities (scale_probabilities): a quarter of a float32 cache's bytes, plus the scales.
+ * kvb (a constant where the tiles are inlined with one): the cache's kind, KV_F32, KV_BF16 or
+ * KV_I8; cache pointers are bytes, kv_at finds element i past one, kv_head a (block, head)'s row. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
 static inline vf kvload(const char *p, int64_t i, const int kvb) {
-    return kvb ? vecf_load_bf16((const uint16_t *)p + i) : vload((const float *)p + i);
+    return kvb == KV_I8 ? vecf_load_i8((const int8_t *)p + i)
+           : kvb        ? vecf_load_bf16((const uint16_t *)p + i)
+                        : vload((const float *)p + i);
 }
-static inline const char *kv_at(const void *p, int64_t i, const int kvb) { return (const char *)p + i * (kvb ? 2 : 4); }
+static inline const char *kv_at(const void *p, int64_t i, const int kvb) {
+    return (const char *)p + i * (kvb == KV_I8 ? 1 : kvb ? 2 : 4);
+}
+static inline const char *kv_head(const void *p, int64_t blk, int64_t h, int64_t KVH, int64_t D, int64_t BS,
+                                  const int kvb) {
+    const int64_t row = kvb == KV_I8 ? D * BS + 4 * BS : D * BS * (kvb ? 2 : 4);
+    return (const char *)p + (blk * KVH + h) * row;
+}
+/* an int8 cache's scales of a (block, head) row, one per slot */
+static inline const float *kv_scales(const char *head, int64_t D, int64_t BS) { return (const float *)(head + D * BS); }
 
 #define PB 16                  /* positions per task */
 #define MAXG 8                 /* query heads per KV head */
@@ -200,10 +217,13 @@ static int amx_products(void) { return 0; }
 static const float zeros[MAX_D];
 
 /* lane i = (a[i], b[i]), rounded to bfloat16 */
-static inline __m512i pair_lanes(const float *a, const float *b) {
-    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a)));
-    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b)));
+static inline __m512i pair_lanes_f(__m512 a, __m512 b) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
     return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+static inline __m512i pair_lanes(const float *a, const float *b) {
+    return pair_lanes_f(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
 }
 
 /* lane i = (a[i], b[i]) of the cache's keys or values (bfloat16 already: no rounding) */
@@ -321,19 +341,39 @@ static void pack_kv_pairs(uint32_t *pk, uint32_t *pv, int64_t head_u32, int64_t 
                 memset(vu, 0, sizeof(uint32_t) * 8 * D);
                 continue;
             }
-            const char *col = kv_at(k, (blocks[key / BS] * KVH + h) * D * BS + key % BS, kvb); /* (one block) */
-            for (int64_t dp = 0; dp < D / 2; dp++)
-                _mm512_storeu_si512(ku + dp * 16, pair_lanes_kv(kv_at(col, 2 * dp * BS, kvb),
-                                                                kv_at(col, (2 * dp + 1) * BS, kvb), kvb));
+            const char *khead = kv_head(k, blocks[key / BS], h, KVH, D, BS, kvb);
+            const char *col = kv_at(khead, key % BS, kvb); /* (one block) */
+            if (kvb == KV_I8) { /* widened, times each key's scale, rounded to bfloat16 */
+                const __m512 ks = _mm512_loadu_ps(kv_scales(khead, D, BS) + key % BS);
+                for (int64_t dp = 0; dp < D / 2; dp++)
+                    _mm512_storeu_si512(ku + dp * 16, pair_lanes_f(_mm512_mul_ps((__m512)kvload(col, 2 * dp * BS, KV_I8), ks),
+                                                                   _mm512_mul_ps((__m512)kvload(col, (2 * dp + 1) * BS, KV_I8), ks)));
+            } else
+                for (int64_t dp = 0; dp < D / 2; dp++)
+                    _mm512_storeu_si512(ku + dp * 16, pair_lanes_kv(kv_at(col, 2 * dp * BS, kvb),
+                                                                    kv_at(col, (2 * dp + 1) * BS, kvb), kvb));
             for (int64_t jp = 0; jp < 8; jp++) {
-                const int64_t j = key + 2 * jp;
-                const char *a = j < nkeys ? kv_at(v, (blocks[j / BS] * KVH + h) * BS * D + (j % BS) * D, kvb)
-                                          : (const char *)zeros;
-                const char *b = j + 1 < nkeys
-                                    ? kv_at(v, (blocks[(j + 1) / BS] * KVH + h) * BS * D + ((j + 1) % BS) * D, kvb)
-                                    : (const char *)zeros;
-                for (int64_t c = 0; c < D; c += 16)
-                    _mm512_storeu_si512(vu + jp * D + c, pair_lanes_kv(kv_at(a, c, kvb), kv_at(b, c, kvb), kvb));
+                const char *row[2];
+                float sc[2] = {0.0f, 0.0f};
+                for (int e = 0; e < 2; e++) {
+                    const int64_t j = key + 2 * jp + e;
+                    if (j >= nkeys) {
+                        row[e] = (const char *)zeros;
+                        continue;
+                    }
+                    const char *vhead = kv_head(v, blocks[j / BS], h, KVH, D, BS, kvb);
+                    row[e] = kv_at(vhead, (j % BS) * D, kvb);
+                    if (kvb == KV_I8) sc[e] = kv_scales(vhead, D, BS)[j % BS];
+                }
+                if (kvb == KV_I8) /* (a row past the last key: zeros, times a zero scale) */
+                    for (int64_t c = 0; c < D; c += 16)
+                        _mm512_storeu_si512(vu + jp * D + c,
+                                            pair_lanes_f(_mm512_mul_ps((__m512)kvload(row[0], c, KV_I8), _mm512_set1_ps(sc[0])),
+                                                         _mm512_mul_ps((__m512)kvload(row[1], c, KV_I8), _mm512_set1_ps(sc[1]))));
+                else
+                    for (int64_t c = 0; c < D; c += 16)
+                        _mm512_storeu_si512(vu + jp * D + c,
+                                            pair_lanes_kv(kv_at(row[0], c, kvb), kv_at(row[1], c, kvb), kvb));
             }
         }
 }
@@ -384,6 +424,24 @@ static inline __attribute__((always_inline)) void value_tiles(float *o, const fl
             else
                 pv_tile(o + r0 * D, s + r0 * KC, vblk, c, kn, BS, D, mr, kvb);
         }
+    }
+}
+
+/* An int8 cache: the scores of each vector of keys times those keys' scales (sc[u]: ncols vectors'
+ * worth), and the probabilities of keys [0, kn) times their values' scales (vblk: the step's (block,
+ * head) rows), whole vectors: lanes past kn (a block's unwritten slots, whose scales may be anything)
+ * are never read after. */
+static inline void scale_columns(float *s, const float *const *sc, int64_t ncols, int64_t rows) {
+    for (int64_t u = 0; u < ncols; u++) {
+        const vf f = vload(sc[u]);
+        for (int64_t r = 0; r < rows; r++) vstore(s + r * KC + u * VW, vload(s + r * KC + u * VW) * f);
+    }
+}
+static inline void scale_probabilities(float *s, const char *const *vblk, int64_t kn, int64_t rows, int64_t D,
+                                       int64_t BS) {
+    for (int64_t j0 = 0; j0 < kn; j0 += VW) {
+        const vf f = vload(kv_scales(vblk[j0 / BS], D, BS) + j0 % BS);
+        for (int64_t r = 0; r < rows; r++) vstore(s + r * KC + j0, vload(s + r * KC + j0) * f);
     }
 }
 
@@ -482,19 +540,25 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
 #endif
     /* scores: the key vectors come from the step's cache blocks ([D][BS] each) */
     const char *col[KC / VW];
+    const float *ksc[KC / VW]; /* (an int8 cache: the vectors' keys' scales) */
     for (int64_t u = 0; u < ncols; u++) {
         const int64_t key = k0 + u * VW;
-        col[u] = kv_at(k, (blocks[key / BS - b0] * KVH + h) * D * BS + key % BS, kvb);
+        const char *head = kv_head(k, blocks[key / BS - b0], h, KVH, D, BS, kvb);
+        col[u] = kv_at(head, key % BS, kvb);
+        ksc[u] = kv_scales(head, D, BS) + key % BS;
     }
 #if BF16_PRODUCTS
     if (bf != NULL)
         scores_bf16(s, bf, col, ncols, rows, D, BS, kvb, k0, h);
     else
 #endif
-    if (kvb)
-        score_tiles(s, qs, col, ncols, rows, D, BS, 1);
+    if (kvb == KV_I8) {
+        score_tiles(s, qs, col, ncols, rows, D, BS, KV_I8);
+        scale_columns(s, ksc, ncols, rows);
+    } else if (kvb)
+        score_tiles(s, qs, col, ncols, rows, D, BS, KV_BF16);
     else
-        score_tiles(s, qs, col, ncols, rows, D, BS, 0);
+        score_tiles(s, qs, col, ncols, rows, D, BS, KV_F32);
     /* online softmax over this step's keys, row by row, within each row's range */
     for (int64_t r = 0; r < rows; r++) {
         int64_t a = first[r] - k0, b = last[r] - k0 + 1;
@@ -548,17 +612,20 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
             for (int64_t d = 0; d < D; d++) o[r * D + d] *= c;
     }
     const char *vblk[KC]; /* the step's value blocks */
-    for (int64_t j0 = 0; j0 < kn; j0 += BS) vblk[j0 / BS] = kv_at(v, (blocks[(k0 + j0) / BS - b0] * KVH + h) * BS * D, kvb);
+    for (int64_t j0 = 0; j0 < kn; j0 += BS) vblk[j0 / BS] = kv_head(v, blocks[(k0 + j0) / BS - b0], h, KVH, D, BS, kvb);
 #if BF16_PRODUCTS
     if (bf != NULL) {
         values_bf16(o, s, bf, vblk, kn, rows, D, BS, kvb, k0, h);
         return;
     }
 #endif
-    if (kvb)
-        value_tiles(o, s, vblk, kn, rows, D, BS, 1);
+    if (kvb == KV_I8) {
+        scale_probabilities(s, vblk, kn, rows, D, BS);
+        value_tiles(o, s, vblk, kn, rows, D, BS, KV_I8);
+    } else if (kvb)
+        value_tiles(o, s, vblk, kn, rows, D, BS, KV_BF16);
     else
-        value_tiles(o, s, vblk, kn, rows, D, BS, 0);
+        value_tiles(o, s, vblk, kn, rows, D, BS, KV_F32);
 }
 
 /* A row's start: its query scaled into qs, its output zeroed; and its end: the output normalised. */
@@ -654,6 +721,23 @@ static void prefill_task(const float *q, const void *k, const void *v, const int
     }
 }
 
+/* Ask for the cache lines of one attend_keys call (KV head h, keys [k0, k0 + kn)) ahead of it: a decode
+ * task's blocks lie anywhere in the cache, 1-4 KiB of a head's keys or values each, too short a run for
+ * the hardware's prefetcher, so without it each step waited on memory (a decode step of 48 requests
+ * at ~520 tokens read the bfloat16 cache at ~17 GB/s, twice that from cache). */
+static inline void prefetch_step(const void *k, const void *v, const int64_t *blocks, int64_t b0, int64_t k0, int64_t kn,
+                                 int64_t h, int64_t KVH, int64_t D, int64_t BS, const int kvb) {
+    const int64_t bytes = kvb == KV_I8 ? D * BS + 4 * BS : D * BS * (kvb ? 2 : 4);
+    for (int64_t j0 = 0; j0 < kn; j0 += BS) {
+        const int64_t blk = blocks[(k0 + j0) / BS - b0];
+        const char *kh = kv_head(k, blk, h, KVH, D, BS, kvb), *vh = kv_head(v, blk, h, KVH, D, BS, kvb);
+        for (int64_t c = 0; c < bytes; c += 64) {
+            __builtin_prefetch(kh + c, 0, 3);
+            __builtin_prefetch(vh + c, 0, 3);
+        }
+    }
+}
+
 /* Decode: one query of a request, KV heads [h0, h1), over its whole context (or its last
  * `window` positions: then its table starts at the window's first block). Per step of KC keys,
  * every head in turn, so the step's blocks are read while they are still in cache. */
@@ -675,6 +759,10 @@ static void decode_task(const float *q, const void *k, const void *v, const int6
     for (int64_t k0 = b0 * BS; k0 < len; k0 += KC)
         for (int64_t h = h0; h < h1; h++) {
             const int64_t r = (h - h0) * G;
+            if (h + 1 < h1)
+                prefetch_step(k, v, blocks, b0, k0, len - k0 < KC ? len - k0 : KC, h + 1, KVH, D, BS, kvb);
+            else if (k0 + KC < len)
+                prefetch_step(k, v, blocks, b0, k0 + KC, len - k0 - KC < KC ? len - k0 - KC : KC, h0, KVH, D, BS, kvb);
             attend_keys(qs + r * D, o + r * D, m + r, l + r, first + r, last + r, G, s, k, v, blocks, b0, k0,
                         len - k0 < KC ? len - k0 : KC, h, KVH, D, BS, NULL, kvb);
         }
@@ -690,11 +778,11 @@ static void decode_task(const float *q, const void *k, const void *v, const int6
  *   starts   [n + 1]                    request r owns blocks[starts[r] .. starts[r + 1])
  *   lens     [n]                        context length of request r (its query included)
  *   out      [n, H, D]
- *   kv_bf16  whether k and v (the cache) hold bfloat16, else float32
+ *   kv_kind  what k and v (the cache) hold, as paged_prefill_f32 has it
  * Returns -1 when a thread's scratch could not be allocated (out is then incomplete), else 0. */
 int paged_decode_f32(const float *q, const void *k, const void *v, const int64_t *blocks, const int64_t *starts,
                      const int64_t *lens, float *out, int64_t n, int64_t window, int64_t H, int64_t KVH, int64_t D,
-                     int64_t BS, float scale, int64_t kv_bf16) {
+                     int64_t BS, float scale, int64_t kv_kind) {
     const int64_t G = H / KVH;
     /* One task per request when there are enough of them (each step's blocks, all heads, read
      * while in cache); with fewer requests than threads, each request's heads are split. */
@@ -712,7 +800,7 @@ int paged_decode_f32(const float *q, const void *k, const void *v, const int64_t
             const int64_t r = task / splits, part = task % splits;
             if (qs != NULL)
                 decode_task(q + r * H * D, k, v, blocks + starts[r], lens[r], window, out + r * H * D, qs,
-                            part * KVH / splits, (part + 1) * KVH / splits, G, KVH, D, BS, scale, kv_bf16 != 0);
+                            part * KVH / splits, (part + 1) * KVH / splits, G, KVH, D, BS, scale, (int)kv_kind);
         }
     }
     return failed ? -1 : 0;
@@ -724,9 +812,9 @@ int paged_prefill_bf16_products(void) { return BF16_PRODUCTS ? 1 + (AMX_PRODUCTS
 
 int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_t *blocks, void *out,
                        int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D, int64_t BS,
-                       int64_t q_stride, int64_t out_stride, float scale, int64_t bf16_products, int64_t kv_bf16,
+                       int64_t q_stride, int64_t out_stride, float scale, int64_t bf16_products, int64_t kv_kind,
                        int64_t out_bf16) {
-    const int bf16 = BF16_PRODUCTS && bf16_products;
+    int bf16 = BF16_PRODUCTS && bf16_products;
     /* on AMX tiles: the keys and values as pairs, once for the call (pack_kv_pairs), and tasks of as
      * many positions as the rows take (fewer tasks: each rounds its queries and probabilities) */
     uint32_t *pk = NULL, *pv = NULL;
@@ -745,6 +833,7 @@ int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_
     }
 #endif
     const int amx = pk != NULL;
+    if (kv_kind == KV_I8 && !amx) bf16 = 0; /* (an int8 cache's bf16 products: on AMX tiles only, pack_kv_pairs) */
     const int64_t ppt = amx ? ROWS / (H / KVH) : PB;
     const int64_t pblocks = (n + ppt - 1) / ppt; /* tasks run last positions first: the most keys, so the
                                                    * dynamic schedule ends balanced */
@@ -757,7 +846,7 @@ int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_
         failed = qs == NULL;
 #if AMX_PRODUCTS
         if (amx) { /* the tiles' shapes, on each thread (oneDNN loads its own) */
-            pack_kv_pairs(pk, pv, head_u32, nkeys, nkeys_kc, k, v, blocks, KVH, D, BS, kv_bf16 != 0);
+            pack_kv_pairs(pk, pv, head_u32, nkeys, nkeys_kc, k, v, blocks, KVH, D, BS, (int)kv_kind);
             amx_configure();
             pairs.amx = 1;
             pairs.pk = pk;
@@ -769,7 +858,7 @@ int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_
         for (int64_t task = 0; task < tasks; task++) {
             if (qs != NULL) prefill_task(q, k, v, blocks, out, qs, n, ctx, window, H, KVH, D, BS, q_stride,
                                          out_stride, scale, pblocks - 1 - task / KVH, ppt, task % KVH, bf,
-                                         kv_bf16 != 0, out_bf16 != 0);
+                                         (int)kv_kind, out_bf16 != 0);
         }
 #if AMX_PRODUCTS
         if (amx) _tile_release();

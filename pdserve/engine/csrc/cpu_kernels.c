@@ -189,6 +189,42 @@ void write_kv_bf16(const float *k, const float *v, uint16_t *k_cache, uint16_t *
     }
 }
 
+/* A row of D float32 quantized as kv_quant.quantize quantizes it with torch's ops, bit for bit: scale =
+ * max(absmax, 1e-8) / 127, each value x / scale rounded to nearest even and clamped to +-127; the int8
+ * values to dst, step apart (a key's dims go down its block's [D][BS] column). Compiled without
+ * reciprocal math: x / scale a division, as torch's is, not x times a rounded 1 / scale. Returns the scale. */
+__attribute__((optimize("no-reciprocal-math"))) static float quantize_row_i8(int8_t *dst, int64_t step,
+                                                                            const float *x, int64_t D) {
+    float amax = 0.0f, q[D];
+    for (int64_t d = 0; d < D; d++) {
+        const float a = fabsf(x[d]);
+        amax = a > amax ? a : amax;
+    }
+    const float scale = (amax > 1e-8f ? amax : 1e-8f) / 127.0f;
+    for (int64_t d = 0; d < D; d++) {
+        const float r = rintf(x[d] / scale);
+        q[d] = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+    }
+    for (int64_t d = 0; d < D; d++) dst[d * step] = (int8_t)q[d];
+    return scale;
+}
+
+/* write_kv_f32 into an int8 cache (--kv-cache-dtype int8; kv_quant.py's layout: each (block, head) row
+ * of bytes holds the block's int8 elements, keys transposed [D][BS] and values [BS][D], then a float32
+ * scale per slot): each token's key and value of each head quantized with a scale of its own. */
+void write_kv_i8(const float *k, const float *v, int8_t *k_cache, int8_t *v_cache, const int64_t *blocks,
+                 const int64_t *offsets, int64_t T, int64_t KVH, int64_t BS, int64_t D, int64_t k_stride,
+                 int64_t v_stride) {
+    const int64_t row = D * BS + 4 * BS;
+#pragma omp parallel for schedule(static) if (T >= 16)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < KVH; h++) {
+            int8_t *kr = k_cache + (blocks[t] * KVH + h) * row, *vr = v_cache + (blocks[t] * KVH + h) * row;
+            ((float *)(kr + D * BS))[offsets[t]] = quantize_row_i8(kr + offsets[t], BS, k + t * k_stride + h * D, D);
+            ((float *)(vr + D * BS))[offsets[t]] = quantize_row_i8(vr + offsets[t] * D, 1, v + t * v_stride + h * D, D);
+        }
+}
+
 /* The two few-rows products, written once for each weight type: W_T is the weight's element
  * type and LOAD(v) widens one weight to float32 (the arithmetic is float32 either way).
  * bfloat16 weights are the upper half of a float32: half the bytes of W to stream. */

@@ -57,6 +57,20 @@ static inline vecf vecf_load_bf16(const uint16_t *p) {
 #endif
 }
 
+/* VEC_W int8 values widened to float32 (an int8 KV cache's, kv_quant.py: each token's scale applied
+ * after, to its scores or probabilities): a sign-extending load and a conversion. */
+static inline vecf vecf_load_i8(const int8_t *p) {
+#if VEC_W == 16
+    return (vecf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif VEC_W == 8
+    return (vecf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vecf out;
+    for (int i = 0; i < VEC_W; i++) out[i] = (float)p[i];
+    return out;
+#endif
+}
+
 #if VEC_W == 16
 /* 16 lanes of float32 -> bfloat16 as f32_to_bf16 rounds them (NaN to 0x7fc0); cpu_kernels.c, cpu_amx.c */
 static inline __m256i bf16_round16(__m512 x) {
