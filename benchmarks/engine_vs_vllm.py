@@ -357,7 +357,8 @@ SERVERS = {"vllm": "vllm serve", "vllm-bf16": "vllm serve --dtype bfloat16",
            "colocated-bf16-kv16": "pdserve colocated, bf16 weights and KV cache",
            "colocated-bf16-kv8": "pdserve colocated, bf16 weights, int8 KV cache",
            "colocated-p512": "pdserve colocated, --max-prefill-tokens 512", "1p1d": "pdserve 1 prefill + 1 decode",
-           "1p1d-bf16-kv16": "pdserve 1 prefill + 1 decode, bf16 weights and KV cache"}
+           "1p1d-bf16-kv16": "pdserve 1 prefill + 1 decode, bf16 weights and KV cache",
+           "1p1d-bf16-kv8": "pdserve 1 prefill + 1 decode, bf16 weights, int8 KV cache"}
 
 
 def serve_servers(args, port: int) -> dict[str, list[str]]:
@@ -393,6 +394,8 @@ def serve_servers(args, port: int) -> dict[str, list[str]]:
         "1p1d": lambda: [*pd("1p1d"), "--prefill", "1", "--decode", "1"],
         "1p1d-bf16-kv16": lambda: [*pd("1p1d-bf16-kv16"), "--prefill", "1", "--decode", "1", "--quantization", "bf16",
                                    "--kv-cache-dtype", "bfloat16"],
+        "1p1d-bf16-kv8": lambda: [*pd("1p1d-bf16-kv8"), "--prefill", "1", "--decode", "1", "--quantization", "bf16",
+                                  "--kv-cache-dtype", "int8"],
     }
     return {SERVERS[name]: (ports[name], commands[name]()) for name in names}
 
