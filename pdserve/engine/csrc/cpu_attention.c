@@ -225,6 +225,8 @@ static inline __m512i pair_lanes_f(__m512 a, __m512 b) {
 static inline __m512i pair_lanes(const float *a, const float *b) {
     return pair_lanes_f(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
 }
+/* 16 int8 of an int8 cache widened, times their scales */
+static inline __m512 i8_scaled(const char *p, __m512 scale) { return _mm512_mul_ps((__m512)kvload(p, 0, KV_I8), scale); }
 
 /* lane i = (a[i], b[i]) of the cache's keys or values (bfloat16 already: no rounding) */
 static inline __m512i pair_lanes_kv(const char *a, const char *b, const int kvb) {
@@ -346,8 +348,8 @@ static void pack_kv_pairs(uint32_t *pk, uint32_t *pv, int64_t head_u32, int64_t 
             if (kvb == KV_I8) { /* widened, times each key's scale, rounded to bfloat16 */
                 const __m512 ks = _mm512_loadu_ps(kv_scales(khead, D, BS) + key % BS);
                 for (int64_t dp = 0; dp < D / 2; dp++)
-                    _mm512_storeu_si512(ku + dp * 16, pair_lanes_f(_mm512_mul_ps((__m512)kvload(col, 2 * dp * BS, KV_I8), ks),
-                                                                   _mm512_mul_ps((__m512)kvload(col, (2 * dp + 1) * BS, KV_I8), ks)));
+                    _mm512_storeu_si512(ku + dp * 16, pair_lanes_f(i8_scaled(col + 2 * dp * BS, ks),
+                                                                   i8_scaled(col + (2 * dp + 1) * BS, ks)));
             } else
                 for (int64_t dp = 0; dp < D / 2; dp++)
                     _mm512_storeu_si512(ku + dp * 16, pair_lanes_kv(kv_at(col, 2 * dp * BS, kvb),
@@ -367,9 +369,8 @@ static void pack_kv_pairs(uint32_t *pk, uint32_t *pv, int64_t head_u32, int64_t 
                 }
                 if (kvb == KV_I8) /* (a row past the last key: zeros, times a zero scale) */
                     for (int64_t c = 0; c < D; c += 16)
-                        _mm512_storeu_si512(vu + jp * D + c,
-                                            pair_lanes_f(_mm512_mul_ps((__m512)kvload(row[0], c, KV_I8), _mm512_set1_ps(sc[0])),
-                                                         _mm512_mul_ps((__m512)kvload(row[1], c, KV_I8), _mm512_set1_ps(sc[1]))));
+                        _mm512_storeu_si512(vu + jp * D + c, pair_lanes_f(i8_scaled(row[0] + c, _mm512_set1_ps(sc[0])),
+                                                                          i8_scaled(row[1] + c, _mm512_set1_ps(sc[1]))));
                 else
                     for (int64_t c = 0; c < D; c += 16)
                         _mm512_storeu_si512(vu + jp * D + c,
