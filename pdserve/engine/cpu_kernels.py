@@ -104,6 +104,7 @@ def load_kernels() -> ctypes.CDLL | None:
         "write_kv_f32": [ptr] * 6 + [i64] * 6,
         "write_kv_bf16": [ptr] * 6 + [i64] * 6,
         "write_kv_i8": [ptr] * 6 + [i64] * 6,
+        "write_kv_f8": [ptr] * 6 + [i64] * 6,
         "gemm_rows_f32": [ptr] * 3 + [i64] * 3,
         "gemm_rows_bf16_f32": [ptr] * 3 + [i64] * 3,
         "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32, i64, i64, i64],
@@ -130,8 +131,9 @@ def load_kernels() -> ctypes.CDLL | None:
 
 
 # What a cache holds, as the attention kernels take it (cpu_attention.c's kv_kind): float32, bfloat16, or an
-# int8 cache's elements (kv_quant.py: the view of each (block, head) row's int8 part, its scales after it)
-KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+# int8 or fp8 (e4m3) cache's elements (kv_quant.py: the view of each (block, head) row's one-byte part, its
+# scales after it)
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
 
 
 def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -140,7 +142,7 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     """Decode attention of ``n`` one-token requests (``q`` ``[n, H, D]``; the block table as
     ``AttentionMetadata`` has it, ``attention.windowed``'s when ``window`` is set). None when the
     kernel could not allocate its scratch (the caller computes it another way). The cache: float32 or
-    bfloat16 (``usable_cache``), or an int8 cache's elements (``KV_KINDS``)."""
+    bfloat16 (``usable_cache``), or an int8 or fp8 cache's elements (``KV_KINDS``)."""
     q = q.contiguous()
     n, h, d = q.shape
     _, kvh, bs, _ = v_cache.shape
@@ -159,7 +161,7 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     itself, read from the cache in place (the chunk's keys and values already written); causal, and
     within ``window`` positions when it is non-zero. ``bf16_products``: the scores and the values
     multiplied in bfloat16 (dot products; where the kernels were built with them, else float32; over an
-    int8 cache, on AMX tiles only).
+    int8 or fp8 cache, on AMX tiles only).
     None when the kernel could not allocate its scratch (the caller computes it another way). ``out``:
     where the answer goes (``[n, H, D]``, ``rows_of_heads``: float32, or bfloat16 rounded as ``.to``
     rounds), else a new float32 tensor."""
@@ -288,10 +290,10 @@ def rows_of_heads(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.floa
 
 def write_kv(lib, k, v, k_cache, v_cache, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
     """Store ``k`` and ``v`` (``[T, kv_heads, D]``, see ``rows_of_heads``) in their slots (of a float32
-    or bfloat16 cache: ``usable_cache``; or an int8 cache's elements, ``KV_KINDS``: each token and head
-    quantized as ``kv_quant.quantize`` does, bit for bit, its scale after the block's elements)."""
+    or bfloat16 cache: ``usable_cache``; or an int8 or fp8 cache's elements, ``KV_KINDS``: each token and
+    head quantized as ``kv_quant.quantize`` does, bit for bit, its scale after the block's elements)."""
     t, kvh, d = k.shape
-    kernel = (lib.write_kv_f32, lib.write_kv_bf16, lib.write_kv_i8)[KV_KINDS[v_cache.dtype]]
+    kernel = (lib.write_kv_f32, lib.write_kv_bf16, lib.write_kv_i8, lib.write_kv_f8)[KV_KINDS[v_cache.dtype]]
     kernel(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), blocks.data_ptr(), offsets.data_ptr(),
            t, kvh, v_cache.shape[2], d, k.stride(0), v.stride(0))
 

@@ -110,14 +110,14 @@ class QuantizedKVAttention(TorchPagedAttention):
 
 
 class CpuQuantizedKVAttention(QuantizedKVAttention):
-    """An int8 cache on CPU read and written in place by the C kernels: the KV write quantizes as
+    """An int8 or fp8 (e4m3) cache on CPU read and written in place by the C kernels: the KV write quantizes as
     ``quantize`` does, bit for bit (``cpu_kernels.write_kv``), and decode and prefill chunks read the int8
-    blocks as they are, each key's scale applied to its scores and each value's to its probabilities
-    (``csrc/cpu_attention.c``): no dequantized copy of the blocks a step reads. A bf16 model's prefill
-    chunks multiply in bfloat16 on AMX tiles where the processor has them (the blocks dequantized into
-    the tiles' pairs once per call), in float32 elsewhere. Unlike the torch path, a chunk attends to its
-    own keys and values as the cache holds them (quantized), as decode does. fp8, and shapes the kernels
-    do not take: the torch path."""
+    blocks as they are (e4m3 widened through float16), each key's scale applied to its scores and each
+    value's to its probabilities (``csrc/cpu_attention.c``): no dequantized copy of the blocks a step
+    reads. A bf16 model's prefill chunks multiply in bfloat16 on AMX tiles where the processor has them
+    (the blocks dequantized into the tiles' pairs once per call), in float32 elsewhere. Unlike the torch
+    path, a chunk attends to its own keys and values as the cache holds them (quantized), as decode does.
+    Shapes the kernels do not take: the torch path."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -130,7 +130,7 @@ class CpuQuantizedKVAttention(QuantizedKVAttention):
     def _takes(self, v_cache: QuantCache) -> bool:
         """Whether the kernels take this cache (its values' view: ``[blocks, kv_heads, block_size, head_dim]``)."""
         data = v_cache.data
-        if self.kernels is None or data.dtype is not torch.int8 or not data.is_cpu:
+        if self.kernels is None or data.dtype not in (torch.int8, torch.float8_e4m3fn) or not data.is_cpu:
             return False
         block_size = data.shape[2]
         if block_size not in self._fits_cache:

@@ -116,9 +116,9 @@ class ModelRunner:
         if cache_dtype is None:
             from pdserve.engine.kv_quant import CpuQuantizedKVAttention, QuantizedKVAttention
 
-            # an int8 cache on CPU (the cpu backend, auto there): read and written in place by the C kernels
+            # on CPU (the cpu backend, auto there): read and written in place by the C kernels
             on_cpu = attention_backend == "cpu" or (attention_backend == "auto" and self.device.type == "cpu")
-            if on_cpu and kv_cache_dtype == "int8":
+            if on_cpu:
                 self.backend = CpuQuantizedKVAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
                 self.backend.bf16_products = model.bf16_matmuls
             else:

@@ -188,8 +188,8 @@ def check_decode_cases(kv_dtype=torch.float32) -> None:
             torch.testing.assert_close(out[r:r + 1], expected, rtol=1e-4, atol=1e-5)
 
 
-def paged_int8(seqs, block_size, seed=0):
-    """Several sequences' keys and values in one int8 cache (kv_quant.py's layout), each token and head
+def paged_bytes(seqs, block_size, dtype=torch.int8, seed=0):
+    """Several sequences' keys and values in one int8 or fp8 cache (kv_quant.py's layout), each token and head
     quantized as the KV write quantizes them, in shuffled blocks; unwritten slots random bytes with NaN
     scales. Returns the keys' and values' views, the tables, and each sequence's keys and values as the
     cache holds them (dequantized), for the reference."""
@@ -201,14 +201,14 @@ def paged_int8(seqs, block_size, seed=0):
     order = torch.randperm(sum(counts) + 3, generator=gen)
     cache = allocate_quantized_cache(1, len(order), kv_heads, block_size, head_dim)
     cache.copy_(torch.randint(0, 256, cache.shape, generator=gen, dtype=torch.uint8))
-    k, v = layer_views(cache, 0, torch.int8, block_size, head_dim)
+    k, v = layer_views(cache, 0, dtype, block_size, head_dim)
     k.scale.fill_(float("nan"))
     v.scale.fill_(float("nan"))
     tables, held, used = [], [], 0
     for (keys, values), count in zip(seqs, counts):
         table = order[used:used + count]
         used += count
-        (kq, ks), (vq, vs) = quantize(keys, torch.int8), quantize(values, torch.int8)
+        (kq, ks), (vq, vs) = quantize(keys, dtype), quantize(values, dtype)
         for t in range(len(keys)):
             b, o = table[t // block_size], t % block_size
             k.data[b, :, :, o], k.scale[b, :, o] = kq[t], ks[t]
@@ -218,11 +218,12 @@ def paged_int8(seqs, block_size, seed=0):
     return k, v, tables, held
 
 
-def check_int8_cases(bf16_products: bool = False) -> None:
-    """Prefill chunks and decode batches over an int8 cache (--kv-cache-dtype int8) through the kernels,
-    against dense attention over the keys and values as the cache holds them. The kernels multiply the
-    integers and apply each key's scale to its scores and each value's to its probabilities: float32's
-    bounds; with bf16 products (AMX tiles, the values dequantized into them) bfloat16's."""
+def check_byte_cases(dtype=torch.int8, bf16_products: bool = False) -> None:
+    """Prefill chunks and decode batches over an int8 or fp8 cache (--kv-cache-dtype int8 or fp8) through
+    the kernels, against dense attention over the keys and values as the cache holds them. The kernels
+    multiply the widened bytes and apply each key's scale to its scores and each value's to its
+    probabilities: float32's bounds; with bf16 products (AMX tiles, the values dequantized into them)
+    bfloat16's."""
     from pdserve.engine.kv_quant import CpuQuantizedKVAttention
 
     torch.manual_seed(2)
@@ -233,7 +234,7 @@ def check_int8_cases(bf16_products: bool = False) -> None:
         keys, values = torch.randn(total, kv_heads, head_dim), torch.randn(total, kv_heads, head_dim)
         q = torch.randn(query_len, (heads + 2 * kv_heads) * head_dim)[:, : heads * head_dim].view(
             query_len, heads, head_dim)
-        k_cache, v_cache, (table,), ((held_k, held_v),) = paged_int8([(keys, values)], block_size)
+        k_cache, v_cache, (table,), ((held_k, held_v),) = paged_bytes([(keys, values)], block_size, dtype)
         chunk = PrefillChunk(0, query_len, context_len, table, window)
         assert backend._kernel_prefill(q, k_cache, v_cache, chunk) is not None, "the kernel, not torch's path"
         out = backend.prefill(q, keys[context_len:], values[context_len:], k_cache, v_cache, chunk)
@@ -246,7 +247,7 @@ def check_int8_cases(bf16_products: bool = False) -> None:
     for heads, kv_heads, head_dim, block_size, lens, window in DECODE_CASES:
         backend = CpuQuantizedKVAttention(heads, kv_heads, head_dim)
         seqs = [(torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim)) for n in lens]
-        k_cache, v_cache, tables, held = paged_int8(seqs, block_size)
+        k_cache, v_cache, tables, held = paged_bytes(seqs, block_size, dtype)
         assert backend._takes(v_cache), "the kernel, not torch's path"
         q = torch.randn(len(lens), heads, head_dim)
         out = backend.decode(q, k_cache, v_cache, decode_metadata(tables, lens, block_size, window))
@@ -262,8 +263,9 @@ def check_cases() -> None:
     check_prefill_cases(kv_dtype=torch.bfloat16)
     check_decode_cases(torch.bfloat16)
     check_prefill_bf16_out("kernel_bf16", torch.bfloat16)
-    check_int8_cases()
-    check_int8_cases(bf16_products=True)  # AVX2: the float32 products
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        check_byte_cases(dtype)
+        check_byte_cases(dtype, bf16_products=True)  # AVX2: the float32 products
 
 
 @needs_kernels
@@ -395,20 +397,22 @@ def test_the_kv_write_rounds_into_a_bfloat16_cache_as_torch_does(first_offset):
 
 
 @needs_kernels
-def test_the_kernels_read_an_int8_cache_in_place():
-    """--kv-cache-dtype int8: decode and prefill read the int8 blocks and their scales as they are
-    (kv_quant.CpuQuantizedKVAttention), with float32 products and, for a bf16 model, bf16 ones (on AMX
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_the_kernels_read_a_one_byte_cache_in_place(dtype):
+    """--kv-cache-dtype int8 or fp8: decode and prefill read the one-byte blocks and their scales as they
+    are (kv_quant.CpuQuantizedKVAttention), with float32 products and, for a bf16 model, bf16 ones (on AMX
     tiles where this processor lends them, else float32)."""
-    check_int8_cases()
-    check_int8_cases(bf16_products=True)
+    check_byte_cases(dtype)
+    check_byte_cases(dtype, bf16_products=True)
 
 
 @needs_kernels
 @pytest.mark.parametrize("first_offset", [0, 8])
-def test_the_kv_write_quantizes_into_an_int8_cache_as_torch_does(first_offset):
-    """write_kv_i8: every token's key and value of each head quantized as kv_quant.quantize quantizes them
-    (the torch path's write), integers and scales bit for bit, an all-zero row and a tie included; the
-    other slots' bytes untouched."""
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_the_kv_write_quantizes_into_a_one_byte_cache_as_torch_does(first_offset, dtype):
+    """write_kv_i8 / write_kv_f8: every token's key and value of each head quantized as kv_quant.quantize
+    quantizes them (the torch path's write), bytes and scales bit for bit, an all-zero row, a tie and
+    fp8's subnormals included; the other slots' bytes untouched."""
     from pdserve.engine.kv_quant import (
         CpuQuantizedKVAttention,
         QuantizedKVAttention,
@@ -422,7 +426,10 @@ def test_the_kv_write_quantizes_into_an_int8_cache_as_torch_does(first_offset):
     k = fused[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)  # rows apart, as the model's
     v = fused[:, kv_heads * head_dim: 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
     k[1, 0] = 0.0  # the scale's floor
-    k[2, 1, :2] = torch.tensor([127.0, 0.5])  # scale 1: 0.5 a tie, to even (0)
+    k[2, 1, :2] = torch.tensor([127.0, 0.5])  # int8: scale 1, 0.5 a tie, to even (0)
+    # fp8: a row of absmax 1 from 2^-20 up (scaled by 448: zeros, e4m3's subnormals, normals), -0 and a tie
+    v[3, 2] = torch.logspace(-20, 0, head_dim, base=2) * torch.tensor([1.0, -1.0]).repeat(head_dim // 2)
+    v[4, 0, :3] = torch.tensor([448.0, -1e-9, 448 * (1 + 2 ** -4) / 2])
     blocks = torch.randperm(8)[:4].repeat_interleave(block_size)[first_offset: first_offset + tokens]
     offsets = (torch.arange(tokens) + first_offset) % block_size
     none = blocks[:0]
@@ -432,13 +439,15 @@ def test_the_kv_write_quantizes_into_an_int8_cache_as_torch_does(first_offset):
     caches = []
     for backend in (CpuQuantizedKVAttention(9, kv_heads, head_dim), QuantizedKVAttention(9, kv_heads, head_dim)):
         cache = allocate_quantized_cache(1, 8, kv_heads, block_size, head_dim).fill_(0x5a)
-        k_cache, v_cache = layer_views(cache, 0, torch.int8, block_size, head_dim)
+        k_cache, v_cache = layer_views(cache, 0, dtype, block_size, head_dim)
         backend.write(k, v, k_cache, v_cache, meta)
         caches.append(cache)
     assert torch.equal(caches[0], caches[1])  # (both from the same bytes: the same slots written, no others)
-    k_cache, _ = layer_views(caches[0], 0, torch.int8, block_size, head_dim)
-    assert k_cache.scale[blocks[1], 0, offsets[1]] == torch.tensor(1e-8) / 127
-    assert k_cache.data[blocks[2], 1, :2, offsets[2]].tolist() == [127, 0]
+    k_cache, _ = layer_views(caches[0], 0, dtype, block_size, head_dim)
+    qmax = 127 if dtype == torch.int8 else 448
+    assert k_cache.scale[blocks[1], 0, offsets[1]] == torch.tensor(1e-8) / qmax
+    if dtype == torch.int8:
+        assert k_cache.data[blocks[2], 1, :2, offsets[2]].tolist() == [127, 0]
 
 
 @needs_kernels

@@ -107,8 +107,9 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_and_serves_through_the_kernels(
     assert agree >= 0.5 * 12 * 5, (out, expected)
 
 
-def test_an_int8_cache_on_cpu_is_read_in_place_by_the_kernels(make_engine, default_model):
-    """--kv-cache-dtype int8 on CPU: the C kernels write and read the int8 blocks in place
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_a_one_byte_cache_on_cpu_is_read_in_place_by_the_kernels(make_engine, default_model, name):
+    """--kv-cache-dtype int8 or fp8 on CPU: the C kernels write and read the one-byte blocks in place
     (CpuQuantizedKVAttention); the same requests through the torch path (dequantized copies) give the
     same greedy tokens up to the last bits' drift, and everything is freed at the end."""
     from pdserve.engine.cpu_kernels import load_kernels
@@ -116,8 +117,8 @@ def test_an_int8_cache_on_cpu_is_read_in_place_by_the_kernels(make_engine, defau
 
     if load_kernels() is None:
         pytest.skip("no C compiler here")
-    kernels = make_engine(default_model, kv_cache_dtype="int8", max_num_batched_tokens=64)
-    torch_path = make_engine(default_model, kv_cache_dtype="int8", max_num_batched_tokens=64,
+    kernels = make_engine(default_model, kv_cache_dtype=name, max_num_batched_tokens=64)
+    torch_path = make_engine(default_model, kv_cache_dtype=name, max_num_batched_tokens=64,
                              attention_backend="torch")
     assert type(kernels.runner.backend) is CpuQuantizedKVAttention
     assert type(torch_path.runner.backend) is QuantizedKVAttention

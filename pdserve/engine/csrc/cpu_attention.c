@@ -28,8 +28,8 @@
  *   blocks   the sequence's block ids, covering ctx + n positions
  *   out      rows out_stride elements apart, [H, D] each: float32, or bfloat16 where out_bf16 (each value
  *            rounded as torch rounds float32 to bfloat16)
- *   kv_kind  what k and v (the cache) hold: KV_F32 (0), KV_BF16 (1) or KV_I8 (2: bytes, each
- *            (block, head) row its int8 elements then a float32 scale per slot, kv_quant.py)
+ *   kv_kind  what k and v (the cache) hold: KV_F32 (0), KV_BF16 (1), KV_I8 (2) or KV_F8 (3; these two
+ *            bytes, each (block, head) row its int8 or e4m3 elements then a float32 scale per slot, kv_quant.py)
  * paged_attention_f32_fits says whether the attention kernels (this and paged_decode_f32) take
  * a shape. paged_prefill_f32 returns -1 when a thread's scratch could not be allocated (out is
  * then incomplete), else 0. */
@@ -42,24 +42,27 @@ static inline void vstore(float *p, vf v) { *(vf *)p = v; }
 
 /* A bfloat16 cache (--kv-cache-dtype bfloat16): each key and value the upper half of a float32,
  * widened as it is loaded (cpu_vec.h), so decode streams half the bytes and the arithmetic stays
- * float32. An int8 cache (--kv-cache-dtype int8, kv_quant.py): each (block, head) row holds the
- * block's int8 keys or values, then a float32 scale per slot; the integers are widened as they are
+ * float32. An int8 or fp8 cache (--kv-cache-dtype int8 or fp8, e4m3; kv_quant.py): each (block, head)
+ * row holds the block's one-byte keys or values, then a float32 scale per slot; the integers are widened as they are
  * loaded and each key's scale applied to its scores (scale_columns), each value's to its
  * probabilities (scale_probabilities): a quarter of a float32 cache's bytes, plus the scales.
- * kvb (a constant where the tiles are inlined with one): the cache's kind, KV_F32, KV_BF16 or
- * KV_I8; cache pointers are bytes, kv_at finds element i past one, kv_head a (block, head)'s row. */
-enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+ * kvb (a constant where the tiles are inlined with one): the cache's kind, KV_F32, KV_BF16, KV_I8 or
+ * KV_F8; cache pointers are bytes, kv_at finds element i past one, kv_head a (block, head)'s row. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_F8 = 3 };
+#define KV_BYTES(kvb) ((kvb) >= KV_I8) /* one-byte elements with a scale per slot: int8 or fp8 (e4m3) */
+#define KV_SCALE(kvb) ((kvb) == KV_F8 ? 256.0f : 1.0f) /* what the scales are multiplied by (kvload's fp8 / 256) */
 static inline vf kvload(const char *p, int64_t i, const int kvb) {
-    return kvb == KV_I8 ? vecf_load_i8((const int8_t *)p + i)
-           : kvb        ? vecf_load_bf16((const uint16_t *)p + i)
-                        : vload((const float *)p + i);
+    return kvb == KV_F8   ? vecf_load_e4m3_div256((const uint8_t *)p + i) /* (its scales times 256: KV_SCALE) */
+           : kvb == KV_I8 ? vecf_load_i8((const int8_t *)p + i)
+           : kvb          ? vecf_load_bf16((const uint16_t *)p + i)
+                          : vload((const float *)p + i);
 }
 static inline const char *kv_at(const void *p, int64_t i, const int kvb) {
-    return (const char *)p + i * (kvb == KV_I8 ? 1 : kvb ? 2 : 4);
+    return (const char *)p + i * (KV_BYTES(kvb) ? 1 : kvb ? 2 : 4);
 }
 static inline const char *kv_head(const void *p, int64_t blk, int64_t h, int64_t KVH, int64_t D, int64_t BS,
                                   const int kvb) {
-    const int64_t row = kvb == KV_I8 ? D * BS + 4 * BS : D * BS * (kvb ? 2 : 4);
+    const int64_t row = KV_BYTES(kvb) ? D * BS + 4 * BS : D * BS * (kvb ? 2 : 4);
     return (const char *)p + (blk * KVH + h) * row;
 }
 /* an int8 cache's scales of a (block, head) row, one per slot */
@@ -225,8 +228,10 @@ static inline __m512i pair_lanes_f(__m512 a, __m512 b) {
 static inline __m512i pair_lanes(const float *a, const float *b) {
     return pair_lanes_f(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
 }
-/* 16 int8 of an int8 cache widened, times their scales */
-static inline __m512 i8_scaled(const char *p, __m512 scale) { return _mm512_mul_ps((__m512)kvload(p, 0, KV_I8), scale); }
+/* 16 one-byte elements of an int8 or fp8 cache widened, times their scales */
+static inline __m512 byte_scaled(const char *p, __m512 scale, const int kvb) {
+    return _mm512_mul_ps((__m512)kvload(p, 0, kvb), scale);
+}
 
 /* lane i = (a[i], b[i]) of the cache's keys or values (bfloat16 already: no rounding) */
 static inline __m512i pair_lanes_kv(const char *a, const char *b, const int kvb) {
@@ -345,11 +350,12 @@ static void pack_kv_pairs(uint32_t *pk, uint32_t *pv, int64_t head_u32, int64_t 
             }
             const char *khead = kv_head(k, blocks[key / BS], h, KVH, D, BS, kvb);
             const char *col = kv_at(khead, key % BS, kvb); /* (one block) */
-            if (kvb == KV_I8) { /* widened, times each key's scale, rounded to bfloat16 */
-                const __m512 ks = _mm512_loadu_ps(kv_scales(khead, D, BS) + key % BS);
+            if (KV_BYTES(kvb)) { /* widened, times each key's scale, rounded to bfloat16 */
+                const __m512 ks = _mm512_mul_ps(_mm512_loadu_ps(kv_scales(khead, D, BS) + key % BS),
+                                                _mm512_set1_ps(KV_SCALE(kvb)));
                 for (int64_t dp = 0; dp < D / 2; dp++)
-                    _mm512_storeu_si512(ku + dp * 16, pair_lanes_f(i8_scaled(col + 2 * dp * BS, ks),
-                                                                   i8_scaled(col + (2 * dp + 1) * BS, ks)));
+                    _mm512_storeu_si512(ku + dp * 16, pair_lanes_f(byte_scaled(col + 2 * dp * BS, ks, kvb),
+                                                                   byte_scaled(col + (2 * dp + 1) * BS, ks, kvb)));
             } else
                 for (int64_t dp = 0; dp < D / 2; dp++)
                     _mm512_storeu_si512(ku + dp * 16, pair_lanes_kv(kv_at(col, 2 * dp * BS, kvb),
@@ -365,12 +371,13 @@ static void pack_kv_pairs(uint32_t *pk, uint32_t *pv, int64_t head_u32, int64_t 
                     }
                     const char *vhead = kv_head(v, blocks[j / BS], h, KVH, D, BS, kvb);
                     row[e] = kv_at(vhead, (j % BS) * D, kvb);
-                    if (kvb == KV_I8) sc[e] = kv_scales(vhead, D, BS)[j % BS];
+                    if (KV_BYTES(kvb)) sc[e] = kv_scales(vhead, D, BS)[j % BS] * KV_SCALE(kvb);
                 }
-                if (kvb == KV_I8) /* (a row past the last key: zeros, times a zero scale) */
+                if (KV_BYTES(kvb)) /* (a row past the last key: zeros, times a zero scale) */
                     for (int64_t c = 0; c < D; c += 16)
-                        _mm512_storeu_si512(vu + jp * D + c, pair_lanes_f(i8_scaled(row[0] + c, _mm512_set1_ps(sc[0])),
-                                                                          i8_scaled(row[1] + c, _mm512_set1_ps(sc[1]))));
+                        _mm512_storeu_si512(vu + jp * D + c,
+                                            pair_lanes_f(byte_scaled(row[0] + c, _mm512_set1_ps(sc[0]), kvb),
+                                                         byte_scaled(row[1] + c, _mm512_set1_ps(sc[1]), kvb)));
                 else
                     for (int64_t c = 0; c < D; c += 16)
                         _mm512_storeu_si512(vu + jp * D + c,
@@ -432,16 +439,16 @@ static inline __attribute__((always_inline)) void value_tiles(float *o, const fl
  * worth), and the probabilities of keys [0, kn) times their values' scales (vblk: the step's (block,
  * head) rows), whole vectors: lanes past kn (a block's unwritten slots, whose scales may be anything)
  * are never read after. */
-static inline void scale_columns(float *s, const float *const *sc, int64_t ncols, int64_t rows) {
+static inline void scale_columns(float *s, const float *const *sc, int64_t ncols, int64_t rows, float mult) {
     for (int64_t u = 0; u < ncols; u++) {
-        const vf f = vload(sc[u]);
+        const vf f = vload(sc[u]) * mult;
         for (int64_t r = 0; r < rows; r++) vstore(s + r * KC + u * VW, vload(s + r * KC + u * VW) * f);
     }
 }
 static inline void scale_probabilities(float *s, const char *const *vblk, int64_t kn, int64_t rows, int64_t D,
-                                       int64_t BS) {
+                                       int64_t BS, float mult) {
     for (int64_t j0 = 0; j0 < kn; j0 += VW) {
-        const vf f = vload(kv_scales(vblk[j0 / BS], D, BS) + j0 % BS);
+        const vf f = vload(kv_scales(vblk[j0 / BS], D, BS) + j0 % BS) * mult;
         for (int64_t r = 0; r < rows; r++) vstore(s + r * KC + j0, vload(s + r * KC + j0) * f);
     }
 }
@@ -553,9 +560,12 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
         scores_bf16(s, bf, col, ncols, rows, D, BS, kvb, k0, h);
     else
 #endif
-    if (kvb == KV_I8) {
-        score_tiles(s, qs, col, ncols, rows, D, BS, KV_I8);
-        scale_columns(s, ksc, ncols, rows);
+    if (KV_BYTES(kvb)) {
+        if (kvb == KV_F8)
+            score_tiles(s, qs, col, ncols, rows, D, BS, KV_F8);
+        else
+            score_tiles(s, qs, col, ncols, rows, D, BS, KV_I8);
+        scale_columns(s, ksc, ncols, rows, KV_SCALE(kvb));
     } else if (kvb)
         score_tiles(s, qs, col, ncols, rows, D, BS, KV_BF16);
     else
@@ -620,9 +630,12 @@ static inline void attend_keys(const float *qs, float *o, float *m, float *l, co
         return;
     }
 #endif
-    if (kvb == KV_I8) {
-        scale_probabilities(s, vblk, kn, rows, D, BS);
-        value_tiles(o, s, vblk, kn, rows, D, BS, KV_I8);
+    if (KV_BYTES(kvb)) {
+        scale_probabilities(s, vblk, kn, rows, D, BS, KV_SCALE(kvb));
+        if (kvb == KV_F8)
+            value_tiles(o, s, vblk, kn, rows, D, BS, KV_F8);
+        else
+            value_tiles(o, s, vblk, kn, rows, D, BS, KV_I8);
     } else if (kvb)
         value_tiles(o, s, vblk, kn, rows, D, BS, KV_BF16);
     else
@@ -728,7 +741,7 @@ static void prefill_task(const float *q, const void *k, const void *v, const int
  * at ~520 tokens read the bfloat16 cache at ~17 GB/s, twice that from cache). */
 static inline void prefetch_step(const void *k, const void *v, const int64_t *blocks, int64_t b0, int64_t k0, int64_t kn,
                                  int64_t h, int64_t KVH, int64_t D, int64_t BS, const int kvb) {
-    const int64_t bytes = kvb == KV_I8 ? D * BS + 4 * BS : D * BS * (kvb ? 2 : 4);
+    const int64_t bytes = KV_BYTES(kvb) ? D * BS + 4 * BS : D * BS * (kvb ? 2 : 4);
     for (int64_t j0 = 0; j0 < kn; j0 += BS) {
         const int64_t blk = blocks[(k0 + j0) / BS - b0];
         const char *kh = kv_head(k, blk, h, KVH, D, BS, kvb), *vh = kv_head(v, blk, h, KVH, D, BS, kvb);
@@ -834,7 +847,7 @@ int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_
     }
 #endif
     const int amx = pk != NULL;
-    if (kv_kind == KV_I8 && !amx) bf16 = 0; /* (an int8 cache's bf16 products: on AMX tiles only, pack_kv_pairs) */
+    if (KV_BYTES(kv_kind) && !amx) bf16 = 0; /* (a one-byte cache's bf16 products: on AMX tiles only, pack_kv_pairs) */
     const int64_t ppt = amx ? ROWS / (H / KVH) : PB;
     const int64_t pblocks = (n + ppt - 1) / ppt; /* tasks run last positions first: the most keys, so the
                                                    * dynamic schedule ends balanced */

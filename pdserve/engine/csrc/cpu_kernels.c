@@ -189,40 +189,70 @@ void write_kv_bf16(const float *k, const float *v, uint16_t *k_cache, uint16_t *
     }
 }
 
+/* float32 (|x| <= 448) to fp8 e4m3 (e4m3fn: no infinities), rounded to nearest even as torch rounds:
+ * a normal keeps its exponent (bias 7 for 127) and its top 3 mantissa bits, a carry going into the
+ * exponent; below 2^-6 a subnormal, x 2^9 rounded (8 being the smallest normal). */
+static inline uint8_t f32_to_e4m3(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    u &= 0x7fffffffu;
+    float a;
+    memcpy(&a, &u, sizeof a);
+    const uint32_t r = a < 0.015625f ? (uint32_t)rintf(a * 512.0f) : ((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - (120u << 3);
+    return sign | (uint8_t)r;
+}
+
 /* A row of D float32 quantized as kv_quant.quantize quantizes it with torch's ops, bit for bit: scale =
- * max(absmax, 1e-8) / 127, each value x / scale rounded to nearest even and clamped to +-127; the int8
- * values to dst, step apart (a key's dims go down its block's [D][BS] column). Compiled without
- * reciprocal math: x / scale a division, as torch's is, not x times a rounded 1 / scale. Returns the scale. */
-__attribute__((optimize("no-reciprocal-math"))) static float quantize_row_i8(int8_t *dst, int64_t step,
-                                                                            const float *x, int64_t D) {
+ * max(absmax, 1e-8) / qmax (127 for int8, 448 for fp8 e4m3), each value x / scale, then int8: rounded to
+ * nearest even and clamped to +-127; fp8: clamped to +-448 and rounded to e4m3. The bytes to dst, step
+ * apart (a key's dims go down its block's [D][BS] column). Compiled without reciprocal math: x / scale a
+ * division, as torch's is, not x times a rounded 1 / scale. Returns the scale. */
+__attribute__((optimize("no-reciprocal-math"))) static float quantize_row(uint8_t *dst, int64_t step,
+                                                                         const float *x, int64_t D, int fp8) {
     float amax = 0.0f, q[D];
     for (int64_t d = 0; d < D; d++) {
         const float a = fabsf(x[d]);
         amax = a > amax ? a : amax;
     }
-    const float scale = (amax > 1e-8f ? amax : 1e-8f) / 127.0f;
+    const float qmax = fp8 ? 448.0f : 127.0f, scale = (amax > 1e-8f ? amax : 1e-8f) / qmax;
     for (int64_t d = 0; d < D; d++) {
-        const float r = rintf(x[d] / scale);
-        q[d] = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+        const float r = fp8 ? x[d] / scale : rintf(x[d] / scale);
+        q[d] = r > qmax ? qmax : r < -qmax ? -qmax : r;
     }
-    for (int64_t d = 0; d < D; d++) dst[d * step] = (int8_t)q[d];
+    if (fp8)
+        for (int64_t d = 0; d < D; d++) dst[d * step] = f32_to_e4m3(q[d]);
+    else
+        for (int64_t d = 0; d < D; d++) dst[d * step] = (uint8_t)(int8_t)q[d];
     return scale;
 }
 
-/* write_kv_f32 into an int8 cache (--kv-cache-dtype int8; kv_quant.py's layout: each (block, head) row
- * of bytes holds the block's int8 elements, keys transposed [D][BS] and values [BS][D], then a float32
- * scale per slot): each token's key and value of each head quantized with a scale of its own. */
-void write_kv_i8(const float *k, const float *v, int8_t *k_cache, int8_t *v_cache, const int64_t *blocks,
-                 const int64_t *offsets, int64_t T, int64_t KVH, int64_t BS, int64_t D, int64_t k_stride,
-                 int64_t v_stride) {
+/* write_kv_f32 into an int8 or fp8 cache (--kv-cache-dtype int8 or fp8; kv_quant.py's layout: each
+ * (block, head) row of bytes holds the block's one-byte elements, keys transposed [D][BS] and values
+ * [BS][D], then a float32 scale per slot): each token's key and value of each head quantized with a
+ * scale of its own. */
+static void write_kv_bytes(const float *k, const float *v, uint8_t *k_cache, uint8_t *v_cache, const int64_t *blocks,
+                           const int64_t *offsets, int64_t T, int64_t KVH, int64_t BS, int64_t D, int64_t k_stride,
+                           int64_t v_stride, int fp8) {
     const int64_t row = D * BS + 4 * BS;
 #pragma omp parallel for schedule(static) if (T >= 16)
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < KVH; h++) {
-            int8_t *kr = k_cache + (blocks[t] * KVH + h) * row, *vr = v_cache + (blocks[t] * KVH + h) * row;
-            ((float *)(kr + D * BS))[offsets[t]] = quantize_row_i8(kr + offsets[t], BS, k + t * k_stride + h * D, D);
-            ((float *)(vr + D * BS))[offsets[t]] = quantize_row_i8(vr + offsets[t] * D, 1, v + t * v_stride + h * D, D);
+            uint8_t *kr = k_cache + (blocks[t] * KVH + h) * row, *vr = v_cache + (blocks[t] * KVH + h) * row;
+            ((float *)(kr + D * BS))[offsets[t]] = quantize_row(kr + offsets[t], BS, k + t * k_stride + h * D, D, fp8);
+            ((float *)(vr + D * BS))[offsets[t]] =
+                quantize_row(vr + offsets[t] * D, 1, v + t * v_stride + h * D, D, fp8);
         }
+}
+void write_kv_i8(const float *k, const float *v, uint8_t *k_cache, uint8_t *v_cache, const int64_t *blocks,
+                 const int64_t *offsets, int64_t T, int64_t KVH, int64_t BS, int64_t D, int64_t k_stride,
+                 int64_t v_stride) {
+    write_kv_bytes(k, v, k_cache, v_cache, blocks, offsets, T, KVH, BS, D, k_stride, v_stride, 0);
+}
+void write_kv_f8(const float *k, const float *v, uint8_t *k_cache, uint8_t *v_cache, const int64_t *blocks,
+                 const int64_t *offsets, int64_t T, int64_t KVH, int64_t BS, int64_t D, int64_t k_stride,
+                 int64_t v_stride) {
+    write_kv_bytes(k, v, k_cache, v_cache, blocks, offsets, T, KVH, BS, D, k_stride, v_stride, 1);
 }
 
 /* The two few-rows products, written once for each weight type: W_T is the weight's element

@@ -2,6 +2,7 @@
  * built for: VEC_W lanes (16 with AVX-512, 8 with AVX2, else 4), and its loads, bfloat16 included. */
 #ifndef PDSERVE_CPU_VEC_H
 #define PDSERVE_CPU_VEC_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -67,6 +68,29 @@ static inline vecf vecf_load_i8(const int8_t *p) {
 #else
     vecf out;
     for (int i = 0; i < VEC_W; i++) out[i] = (float)p[i];
+    return out;
+#endif
+}
+
+/* VEC_W fp8 e4m3 values (an fp8 KV cache's) widened to float32 / 256: each byte's sign, exponent and
+ * mantissa moved into a float16's (whose exponent bias is 8 more) by one shift up and an arithmetic one
+ * down (the sign copied into bit 14, then cleared), then the float16 widened; the caller folds the 2^8
+ * into the token's scale. e4m3's subnormals land on float16's, its NaN (never written: the cache's
+ * values are clamped to +-448) on a finite value. */
+static inline vecf vecf_load_e4m3_div256(const uint8_t *p) {
+#if VEC_W == 16
+    const __m256i b = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8);
+    return (vecf)_mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(b, 1), _mm256_set1_epi16((short)0xbf80)));
+#elif VEC_W == 8
+    const __m128i b = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8);
+    return (vecf)_mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(b, 1), _mm_set1_epi16((short)0xbf80)));
+#else
+    vecf out;
+    for (int i = 0; i < VEC_W; i++) {
+        const int e = (p[i] >> 3) & 15, m = p[i] & 7;
+        const float a = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
+        out[i] = (p[i] & 0x80 ? -a : a) / 256.0f;
+    }
     return out;
 #endif
 }
