@@ -107,7 +107,7 @@ def load_kernels() -> ctypes.CDLL | None:
         "write_kv_f8": [ptr] * 6 + [i64] * 6,
         "gemm_rows_f32": [ptr] * 3 + [i64] * 3,
         "gemm_rows_bf16_f32": [ptr] * 3 + [i64] * 3,
-        "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32, i64, i64, i64],
+        "paged_prefill_f32": [ptr] * 5 + [i64] * 9 + [f32, i64, i64, i64, ptr, ptr, i64, i64],
         "paged_attention_f32_fits": [i64] * 4,
         "paged_prefill_bf16_products": [],
         **{f"gguf_gemm_{t}": [ptr] * 3 + [i64] * 4 for t in GGUF_KERNEL_TYPES},
@@ -156,7 +156,8 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_ids: torch.Tensor, context_len: int, window: int, scale: float,
-                  bf16_products: bool = False, out: torch.Tensor | None = None) -> torch.Tensor | None:
+                  bf16_products: bool = False, out: torch.Tensor | None = None,
+                  fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """Attention of a prefill chunk (``q`` ``[n, H, D]``, see ``rows_of_heads``) over its context and
     itself, read from the cache in place (the chunk's keys and values already written); causal, and
     within ``window`` positions when it is non-zero. ``bf16_products``: the scores and the values
@@ -164,15 +165,20 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     int8 or fp8 cache, on AMX tiles only).
     None when the kernel could not allocate its scratch (the caller computes it another way). ``out``:
     where the answer goes (``[n, H, D]``, ``rows_of_heads``: float32, or bfloat16 rounded as ``.to``
-    rounds), else a new float32 tensor."""
+    rounds), else a new float32 tensor. ``fresh``: over an int8 or fp8 cache, the chunk's own keys and values
+    as the projection gave them (``rows_of_heads``), attended unquantized where the products run on AMX
+    tiles (elsewhere the cache's copies are read)."""
     n, h, d = q.shape
     _, kvh, bs, _ = v_cache.shape
     if out is None:
         out = torch.empty(n, h, d, dtype=torch.float32)
+    k_new, v_new = fresh if fresh is not None else (None, None)
     failed = lib.paged_prefill_f32(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(), out.data_ptr(), n,
         context_len, window, h, kvh, d, bs, q.stride(0), out.stride(0), scale, int(bf16_products),
         KV_KINDS[v_cache.dtype], int(out.dtype == torch.bfloat16),
+        None if k_new is None else k_new.data_ptr(), None if v_new is None else v_new.data_ptr(),
+        0 if k_new is None else k_new.stride(0), 0 if v_new is None else v_new.stride(0),
     )
     return None if failed else out
 

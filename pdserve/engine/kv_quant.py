@@ -115,9 +115,9 @@ class CpuQuantizedKVAttention(QuantizedKVAttention):
     blocks as they are (e4m3 widened through float16), each key's scale applied to its scores and each
     value's to its probabilities (``csrc/cpu_attention.c``): no dequantized copy of the blocks a step
     reads. A bf16 model's prefill chunks multiply in bfloat16 on AMX tiles where the processor has them
-    (the blocks dequantized into the tiles' pairs once per call), in float32 elsewhere. Unlike the torch
-    path, a chunk attends to its own keys and values as the cache holds them (quantized), as decode does.
-    Shapes the kernels do not take: the torch path."""
+    (the blocks dequantized into the tiles' pairs once per call, the chunk's own keys and values taken
+    unquantized, as the torch path takes them), in float32 elsewhere (there a chunk attends to its own
+    keys and values as the cache holds them, quantized). Shapes the kernels do not take: the torch path."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)
@@ -157,21 +157,25 @@ class CpuQuantizedKVAttention(QuantizedKVAttention):
         return super().decode(q, k_cache, v_cache, meta)
 
     def prefill(self, q, k, v, k_cache: QuantCache, v_cache: QuantCache, chunk: PrefillChunk) -> torch.Tensor:
-        out = self._kernel_prefill(q, k_cache, v_cache, chunk)
+        out = self._kernel_prefill(q, k, v, k_cache, v_cache, chunk)
         return out if out is not None else super().prefill(q, k, v, k_cache, v_cache, chunk)
 
     def prefill_into(self, out, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> None:
         from pdserve.engine.cpu_kernels import rows_of_heads
 
         if (not rows_of_heads(out, (torch.float32, torch.bfloat16))
-                or self._kernel_prefill(q, k_cache, v_cache, chunk, out) is None):
+                or self._kernel_prefill(q, k, v, k_cache, v_cache, chunk, out) is None):
             super().prefill_into(out, q, k, v, k_cache, v_cache, chunk)
 
-    def _kernel_prefill(self, q, k_cache: QuantCache, v_cache: QuantCache, chunk: PrefillChunk,
+    def _kernel_prefill(self, q, k, v, k_cache: QuantCache, v_cache: QuantCache, chunk: PrefillChunk,
                         out=None) -> torch.Tensor | None:
+        """The chunk's attention by the C kernel; with bf16 products on AMX tiles over its own keys and values
+        as ``k`` and ``v`` hold them (unquantized, as the torch path and vLLM's attend to a chunk's own), the
+        cached context's dequantized."""
         from pdserve.engine.cpu_kernels import paged_prefill, rows_of_heads
 
         if not self._takes(v_cache) or not rows_of_heads(q):
             return None
+        fresh = (k, v) if rows_of_heads(k) and rows_of_heads(v) else None
         return paged_prefill(self.kernels, q, k_cache.data, v_cache.data, chunk.block_ids, chunk.context_len,
-                             chunk.window, self.scale, self.bf16_products, out=out)
+                             chunk.window, self.scale, self.bf16_products, out=out, fresh=fresh)

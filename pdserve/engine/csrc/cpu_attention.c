@@ -30,6 +30,9 @@
  *            rounded as torch rounds float32 to bfloat16)
  *   kv_kind  what k and v (the cache) hold: KV_F32 (0), KV_BF16 (1), KV_I8 (2) or KV_F8 (3; these two
  *            bytes, each (block, head) row its int8 or e4m3 elements then a float32 scale per slot, kv_quant.py)
+ *   k_new, v_new  NULL, or (a one-byte cache, bf16 products on AMX tiles) the chunk's own keys and values
+ *            as the projection gave them, [n][KVH][D] rows k_new_stride / v_new_stride floats apart:
+ *            attended unquantized (the cache's copies of them are for later steps)
  * paged_attention_f32_fits says whether the attention kernels (this and paged_decode_f32) take
  * a shape. paged_prefill_f32 returns -1 when a thread's scratch could not be allocated (out is
  * then incomplete), else 0. */
@@ -228,6 +231,14 @@ static inline __m512i pair_lanes_f(__m512 a, __m512 b) {
 static inline __m512i pair_lanes(const float *a, const float *b) {
     return pair_lanes_f(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
 }
+/* A one-byte cache's prefill: the chunk's own keys and values as the projection gave them (float32
+ * rows [n][KVH][D], k_stride and v_stride floats apart), for positions ctx on, so the chunk attends to
+ * them unquantized, as the torch path and vLLM's attend to a chunk's own; NULL k: none. */
+typedef struct {
+    const float *k, *v;
+    int64_t k_stride, v_stride, ctx;
+} raw_kv_t;
+
 /* 16 one-byte elements of an int8 or fp8 cache widened, times their scales */
 static inline __m512 byte_scaled(const char *p, __m512 scale, const int kvb) {
     return _mm512_mul_ps((__m512)kvload(p, 0, kvb), scale);
@@ -337,7 +348,7 @@ static void values_bf16(float *o, const float *s, const pairs_t *bf, const char 
  * scores are masked). Shared by the team: an omp for over KV heads and 16 keys. */
 static void pack_kv_pairs(uint32_t *pk, uint32_t *pv, int64_t head_u32, int64_t nkeys, int64_t nkeys_kc,
                           const void *k, const void *v, const int64_t *blocks, int64_t KVH, int64_t D, int64_t BS,
-                          const int kvb) {
+                          const int kvb, const raw_kv_t *raw) {
 #pragma omp for schedule(static) collapse(2)
     for (int64_t h = 0; h < KVH; h++)
         for (int64_t u = 0; u < nkeys_kc / 16; u++) {
@@ -360,24 +371,36 @@ static void pack_kv_pairs(uint32_t *pk, uint32_t *pv, int64_t head_u32, int64_t 
                 for (int64_t dp = 0; dp < D / 2; dp++)
                     _mm512_storeu_si512(ku + dp * 16, pair_lanes_kv(kv_at(col, 2 * dp * BS, kvb),
                                                                     kv_at(col, (2 * dp + 1) * BS, kvb), kvb));
+            if (raw != NULL) /* the chunk's own keys, unquantized (rounded to bfloat16 as pair_lanes rounds) */
+                for (int64_t j = key > raw->ctx ? key : raw->ctx; j < key + 16 && j < nkeys; j++) {
+                    const float *kr = raw->k + (j - raw->ctx) * raw->k_stride + h * D;
+                    for (int64_t dp = 0; dp < D / 2; dp++)
+                        ku[dp * 16 + (j - key)] = (uint32_t)f32_to_bf16(kr[2 * dp]) |
+                                                  (uint32_t)f32_to_bf16(kr[2 * dp + 1]) << 16;
+                }
             for (int64_t jp = 0; jp < 8; jp++) {
                 const char *row[2];
                 float sc[2] = {0.0f, 0.0f};
+                const float *fresh[2] = {NULL, NULL}; /* (raw: the chunk's own values) */
                 for (int e = 0; e < 2; e++) {
                     const int64_t j = key + 2 * jp + e;
                     if (j >= nkeys) {
                         row[e] = (const char *)zeros;
                         continue;
                     }
+                    if (raw != NULL && j >= raw->ctx) fresh[e] = raw->v + (j - raw->ctx) * raw->v_stride + h * D;
                     const char *vhead = kv_head(v, blocks[j / BS], h, KVH, D, BS, kvb);
                     row[e] = kv_at(vhead, (j % BS) * D, kvb);
                     if (KV_BYTES(kvb)) sc[e] = kv_scales(vhead, D, BS)[j % BS] * KV_SCALE(kvb);
                 }
                 if (KV_BYTES(kvb)) /* (a row past the last key: zeros, times a zero scale) */
-                    for (int64_t c = 0; c < D; c += 16)
-                        _mm512_storeu_si512(vu + jp * D + c,
-                                            pair_lanes_f(byte_scaled(row[0] + c, _mm512_set1_ps(sc[0]), kvb),
-                                                         byte_scaled(row[1] + c, _mm512_set1_ps(sc[1]), kvb)));
+                    for (int64_t c = 0; c < D; c += 16) {
+                        __m512 half[2];
+                        for (int e = 0; e < 2; e++)
+                            half[e] = fresh[e] != NULL ? _mm512_loadu_ps(fresh[e] + c)
+                                                       : byte_scaled(row[e] + c, _mm512_set1_ps(sc[e]), kvb);
+                        _mm512_storeu_si512(vu + jp * D + c, pair_lanes_f(half[0], half[1]));
+                    }
                 else
                     for (int64_t c = 0; c < D; c += 16)
                         _mm512_storeu_si512(vu + jp * D + c,
@@ -827,7 +850,8 @@ int paged_prefill_bf16_products(void) { return BF16_PRODUCTS ? 1 + (AMX_PRODUCTS
 int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_t *blocks, void *out,
                        int64_t n, int64_t ctx, int64_t window, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                        int64_t q_stride, int64_t out_stride, float scale, int64_t bf16_products, int64_t kv_kind,
-                       int64_t out_bf16) {
+                       int64_t out_bf16, const float *k_new, const float *v_new, int64_t k_new_stride,
+                       int64_t v_new_stride) {
     int bf16 = BF16_PRODUCTS && bf16_products;
     /* on AMX tiles: the keys and values as pairs, once for the call (pack_kv_pairs), and tasks of as
      * many positions as the rows take (fewer tasks: each rounds its queries and probabilities) */
@@ -860,7 +884,9 @@ int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_
         failed = qs == NULL;
 #if AMX_PRODUCTS
         if (amx) { /* the tiles' shapes, on each thread (oneDNN loads its own) */
-            pack_kv_pairs(pk, pv, head_u32, nkeys, nkeys_kc, k, v, blocks, KVH, D, BS, (int)kv_kind);
+            const raw_kv_t fresh = {k_new, v_new, k_new_stride, v_new_stride, ctx};
+            pack_kv_pairs(pk, pv, head_u32, nkeys, nkeys_kc, k, v, blocks, KVH, D, BS, (int)kv_kind,
+                          KV_BYTES(kv_kind) && k_new != NULL && v_new != NULL ? &fresh : NULL);
             amx_configure();
             pairs.amx = 1;
             pairs.pk = pk;
