@@ -111,7 +111,7 @@ class QuantizedKVAttention(TorchPagedAttention):
 
 class CpuQuantizedKVAttention(QuantizedKVAttention):
     """An int8 or fp8 (e4m3) cache on CPU read and written in place by the C kernels: the KV write quantizes as
-    ``quantize`` does, bit for bit (``cpu_kernels.write_kv``), and decode and prefill chunks read the int8
+    ``quantize`` does, bit for bit (``cpu_kernels.write_kv``), and decode and prefill chunks read the one-byte
     blocks as they are (e4m3 widened through float16), each key's scale applied to its scores and each
     value's to its probabilities (``csrc/cpu_attention.c``): no dequantized copy of the blocks a step
     reads. A bf16 model's prefill chunks multiply in bfloat16 on AMX tiles where the processor has them

@@ -371,6 +371,22 @@ def test_the_kernels_read_a_bfloat16_cache_in_place():
     check_decode_cases(torch.bfloat16)
 
 
+def write_case(first_offset: int, magnitude: float, tokens: int = 40, kv_heads: int = 3, head_dim: int = 64,
+               block_size: int = 16):
+    """A KV write's inputs: ``tokens`` keys and values of ``magnitude`` (rows apart in a fused projection, as
+    the model's) for slots from ``first_offset`` on in 4 of 8 shuffled blocks, and the step's metadata."""
+    fused = torch.randn(tokens, (3 + 2 * kv_heads) * head_dim) * magnitude
+    k = fused[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = fused[:, kv_heads * head_dim: 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    blocks = torch.randperm(8)[:4].repeat_interleave(block_size)[first_offset: first_offset + tokens]
+    offsets = (torch.arange(tokens) + first_offset) % block_size
+    none = blocks[:0]
+    meta = AttentionMetadata(slot_blocks=blocks, slot_offsets=offsets, num_decodes=0, decode_block_ids=none,
+                             decode_block_req=none, decode_block_mask=torch.empty(0, block_size, dtype=torch.bool),
+                             decode_starts=blocks[:1], decode_lens=none, prefills=[])
+    return k, v, meta
+
+
 @needs_kernels
 @pytest.mark.parametrize("first_offset", [0, 8])
 def test_the_kv_write_rounds_into_a_bfloat16_cache_as_torch_does(first_offset):
@@ -380,16 +396,8 @@ def test_the_kv_write_rounds_into_a_bfloat16_cache_as_torch_does(first_offset):
     halfway, every 16 of them straddle two blocks (its token-by-token path)."""
     torch.manual_seed(0)
     kv_heads, head_dim, block_size, tokens = 3, 64, 16, 40
-    fused = torch.randn(tokens, (3 + 2 * kv_heads) * head_dim) * 100
-    fused[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1 + 2 ** -8])  # a tie, to even
-    k = fused[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)  # rows apart, as the model's
-    v = fused[:, kv_heads * head_dim: 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
-    blocks = torch.randperm(8)[:4].repeat_interleave(block_size)[first_offset: first_offset + tokens]
-    offsets = (torch.arange(tokens) + first_offset) % block_size
-    none = blocks[:0]
-    meta = AttentionMetadata(slot_blocks=blocks, slot_offsets=offsets, num_decodes=0, decode_block_ids=none,
-                             decode_block_req=none, decode_block_mask=torch.empty(0, block_size, dtype=torch.bool),
-                             decode_starts=blocks[:1], decode_lens=none, prefills=[])
+    k, v, meta = write_case(first_offset, 100)
+    k[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1 + 2 ** -8])  # a tie, to even
     caches = []
     for backend in (CpuPagedAttention(9, kv_heads, head_dim), TorchPagedAttention(9, kv_heads, head_dim)):
         k_cache = torch.zeros(8, kv_heads, head_dim, block_size, dtype=torch.bfloat16)
@@ -426,21 +434,14 @@ def test_the_kv_write_quantizes_into_a_one_byte_cache_as_torch_does(first_offset
     )
 
     torch.manual_seed(0)
-    kv_heads, head_dim, block_size, tokens = 3, 64, 16, 40
-    fused = torch.randn(tokens, (3 + 2 * kv_heads) * head_dim) * 10
-    k = fused[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)  # rows apart, as the model's
-    v = fused[:, kv_heads * head_dim: 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    kv_heads, head_dim, block_size = 3, 64, 16
+    k, v, meta = write_case(first_offset, 10)
+    blocks, offsets = meta.slot_blocks, meta.slot_offsets
     k[1, 0] = 0.0  # the scale's floor
     k[2, 1, :2] = torch.tensor([127.0, 0.5])  # int8: scale 1, 0.5 a tie, to even (0)
     # fp8: a row of absmax 1 from 2^-20 up (scaled by 448: zeros, e4m3's subnormals, normals), -0 and a tie
     v[3, 2] = torch.logspace(-20, 0, head_dim, base=2) * torch.tensor([1.0, -1.0]).repeat(head_dim // 2)
     v[4, 0, :3] = torch.tensor([448.0, -1e-9, 448 * (1 + 2 ** -4) / 2])
-    blocks = torch.randperm(8)[:4].repeat_interleave(block_size)[first_offset: first_offset + tokens]
-    offsets = (torch.arange(tokens) + first_offset) % block_size
-    none = blocks[:0]
-    meta = AttentionMetadata(slot_blocks=blocks, slot_offsets=offsets, num_decodes=0, decode_block_ids=none,
-                             decode_block_req=none, decode_block_mask=torch.empty(0, block_size, dtype=torch.bool),
-                             decode_starts=blocks[:1], decode_lens=none, prefills=[])
     caches = []
     for backend in (CpuQuantizedKVAttention(9, kv_heads, head_dim), QuantizedKVAttention(9, kv_heads, head_dim)):
         cache = allocate_quantized_cache(1, 8, kv_heads, block_size, head_dim).fill_(0x5a)
