@@ -144,6 +144,16 @@ def check_prefill_cases(products: str = "float32", kv_dtype=torch.float32) -> No
             torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
+def chunk_inputs(heads, kv_heads, head_dim, context_len, query_len):
+    """A prefill case's keys and values (context and chunk) and the chunk's queries, a view into a fused
+    projection's rows (rows apart, as the model passes them)."""
+    total = context_len + query_len
+    keys, values = torch.randn(total, kv_heads, head_dim), torch.randn(total, kv_heads, head_dim)
+    q = torch.randn(query_len, (heads + 2 * kv_heads) * head_dim)[:, : heads * head_dim].view(
+        query_len, heads, head_dim)
+    return keys, values, q
+
+
 def check_prefill_bf16_out(products: str = "float32", kv_dtype=torch.float32) -> None:
     """The kernel writing its output in bfloat16 (a bf16 o projection's input: ``forward``'s out_dtype) gives
     the float32 output rounded as ``.to`` rounds it, bit for bit, into the chunk's rows of a step's output."""
@@ -151,10 +161,7 @@ def check_prefill_bf16_out(products: str = "float32", kv_dtype=torch.float32) ->
     for heads, kv_heads, head_dim, block_size, context_len, query_len, window in PREFILL_CASES:
         backend = CpuPagedAttention(heads, kv_heads, head_dim)
         backend.prefill_products = products
-        total = context_len + query_len
-        keys, values = torch.randn(total, kv_heads, head_dim), torch.randn(total, kv_heads, head_dim)
-        q = torch.randn(query_len, (heads + 2 * kv_heads) * head_dim)[:, : heads * head_dim].view(
-            query_len, heads, head_dim)
+        keys, values, q = chunk_inputs(heads, kv_heads, head_dim, context_len, query_len)
         k_cache, v_cache, table = paged(keys, values, block_size, dtype=kv_dtype)
         chunk = PrefillChunk(0, query_len, context_len, table, window)
         wide = backend.prefill(q, keys[context_len:], values[context_len:], k_cache, v_cache, chunk)
@@ -232,10 +239,7 @@ def check_byte_cases(dtype=torch.int8, bf16_products: bool = False) -> None:
     for heads, kv_heads, head_dim, block_size, context_len, query_len, window in PREFILL_CASES:
         backend = CpuQuantizedKVAttention(heads, kv_heads, head_dim)
         backend.bf16_products = bf16_products
-        total = context_len + query_len
-        keys, values = torch.randn(total, kv_heads, head_dim), torch.randn(total, kv_heads, head_dim)
-        q = torch.randn(query_len, (heads + 2 * kv_heads) * head_dim)[:, : heads * head_dim].view(
-            query_len, heads, head_dim)
+        keys, values, q = chunk_inputs(heads, kv_heads, head_dim, context_len, query_len)
         k_cache, v_cache, (table,), ((held_k, held_v),) = paged_bytes([(keys, values)], block_size, dtype)
         chunk = PrefillChunk(0, query_len, context_len, table, window)
         k, v = keys[context_len:], values[context_len:]
