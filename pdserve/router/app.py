@@ -775,7 +775,11 @@ class _Run:
             item = first
             while item is not None:
                 c, text, lps, offset = self._record(*item)
-                if text or lps or c.finish_reason is not None:
+                # A chunk for every message with tokens, its text empty where the tokens end inside a
+                # character (a byte of a multi-byte one): the client sees each token when it comes, its
+                # first token included, as vLLM sends it (its completions and chat streams skip a chunk
+                # only where no token came)
+                if text or lps or c.finish_reason is not None or item[1].token_ids:
                     yield self.fmt.delta_chunk(c, text, lps, self.want_logprobs, offset)
                 item = await _next(stream)
             if include_usage:
