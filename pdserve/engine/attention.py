@@ -240,7 +240,6 @@ class CpuPagedAttention(TorchPagedAttention):
         from pdserve.engine.cpu_kernels import load_kernels
 
         self.kernels = load_kernels()
-        self._fits_cache: dict[int, bool] = {}  # block size -> whether the attention kernels take the shape
         # How prefill chunks multiply (PREFILL_PRODUCTS): float32 unless the model's projections multiply
         # in bfloat16 (quantization bf16), when choose_prefill_products measures which is fastest here.
         self.prefill_products = "float32"
@@ -342,10 +341,9 @@ class CpuPagedAttention(TorchPagedAttention):
         return seconds
 
     def _fits(self, block_size: int) -> bool:
-        if block_size not in self._fits_cache:
-            self._fits_cache[block_size] = bool(self.kernels.paged_attention_f32_fits(
-                self.num_heads, self.num_kv_heads, self.head_dim, block_size))
-        return self._fits_cache[block_size]
+        from pdserve.engine.cpu_kernels import attention_fits
+
+        return attention_fits(self.kernels, self.num_heads, self.num_kv_heads, self.head_dim, block_size)
 
 
 def _gather_values(v_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:

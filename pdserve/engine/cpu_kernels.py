@@ -183,6 +183,12 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     return None if failed else out
 
 
+@cache
+def attention_fits(lib: ctypes.CDLL, heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether the attention kernels take this shape (``paged_attention_f32_fits``), asked once per shape."""
+    return bool(lib.paged_attention_f32_fits(heads, kv_heads, head_dim, block_size))
+
+
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the kernels can take these tensors as they are (float32, contiguous, on CPU)."""
     for t in tensors:  # (a loop and is_cpu: ~5 of these a layer, a third of the generator's time)

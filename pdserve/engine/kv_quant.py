@@ -125,18 +125,15 @@ class CpuQuantizedKVAttention(QuantizedKVAttention):
 
         self.kernels = load_kernels()
         self.bf16_products = False  # a bf16 model's prefill products (ModelRunner sets it)
-        self._fits_cache: dict[int, bool] = {}
 
     def _takes(self, v_cache: QuantCache) -> bool:
         """Whether the kernels take this cache (its values' view: ``[blocks, kv_heads, block_size, head_dim]``)."""
+        from pdserve.engine.cpu_kernels import attention_fits
+
         data = v_cache.data
         if self.kernels is None or data.dtype not in (torch.int8, torch.float8_e4m3fn) or not data.is_cpu:
             return False
-        block_size = data.shape[2]
-        if block_size not in self._fits_cache:
-            self._fits_cache[block_size] = bool(self.kernels.paged_attention_f32_fits(
-                self.num_heads, self.num_kv_heads, self.head_dim, block_size))
-        return self._fits_cache[block_size]
+        return attention_fits(self.kernels, self.num_heads, self.num_kv_heads, self.head_dim, data.shape[2])
 
     def write(self, k, v, k_cache: QuantCache, v_cache: QuantCache, meta: AttentionMetadata) -> None:
         from pdserve.engine.cpu_kernels import rows_of_heads, write_kv

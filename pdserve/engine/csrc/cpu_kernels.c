@@ -199,7 +199,8 @@ static inline uint8_t f32_to_e4m3(float x) {
     u &= 0x7fffffffu;
     float a;
     memcpy(&a, &u, sizeof a);
-    const uint32_t r = a < 0.015625f ? (uint32_t)rintf(a * 512.0f) : ((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - (120u << 3);
+    const uint32_t r = a < 0.015625f ? (uint32_t)rintf(a * 512.0f)
+                                     : ((u + 0x7ffffu + ((u >> 20) & 1u)) >> 20) - (120u << 3);
     return sign | (uint8_t)r;
 }
 
