@@ -276,6 +276,11 @@ class EngineConfig:
         "the matmul path it implies), or a lower one to cap oneDNN, MKL, torch's kernels and the C kernels at "
         "(avx2 on an AVX-512 machine gives the AVX2 figures); one the processor lacks is refused"
     )
+    cpu_graph_max_batch: int = doc(
+        8, "CPU: decode-only steps of up to this many requests are recorded once per batch size and replayed as "
+        "their C kernels' calls, without the Python around them (as CUDA graphs on a GPU; checked against an "
+        "eager step on first replay); 0: every step eager"
+    )
     attention_backend: str = doc(
         "auto", "attention implementation: torch (torch ops only), cpu (torch plus a C decode kernel built "
         "on first use), triton (Triton kernels, CUDA GPUs), auto (cpu on CPUs, triton on CUDA)"
@@ -301,6 +306,9 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.cpu_graph_max_batch < 0:
+            raise ConfigError("EngineConfig.cpu_graph_max_batch must be 0 (off) or more, "
+                              f"got {self.cpu_graph_max_batch}")
         for name in ("num_kv_blocks", "max_model_len", "num_threads", "max_prefill_tokens"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -169,7 +169,7 @@ class LLMEngine:
                                    config.scheduling_policy, config.max_prefill_tokens)
         self.runner = ModelRunner(
             self.loaded.model, num_blocks, config.block_size, config.seed, config.attention_backend,
-            config.kv_cache_dtype, self.kv_groups,
+            config.kv_cache_dtype, self.kv_groups, config.cpu_graph_max_batch,
         )
         self.spec_config = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = (make_proposer(self.spec_config, self.runner, config, cfg.vocab_size)

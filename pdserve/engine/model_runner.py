@@ -25,6 +25,7 @@ from pdserve.engine.attention import (
     get_backend,
 )
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.cpu_graphs import CpuGraphRunner
 from pdserve.engine.cuda_graphs import CudaGraphRunner
 from pdserve.engine.kv_cache_manager import KVGroups, cdiv
 from pdserve.engine.model import LlamaForCausalLM
@@ -82,6 +83,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
         kv_groups: KVGroups | None = None,
+        cpu_graph_max_batch: int = 0,
     ):
         cfg = model.config
         # Prompt logprobs: rows of logits per slice, about PROMPT_LOGPROBS_SLICE_BYTES (float32), a multiple of 16
@@ -131,19 +133,33 @@ class ModelRunner:
         # On CUDA, steps run through cuda_graphs: inputs moved to the GPU, decode steps replayed as graphs.
         self.cuda_graphs = CudaGraphRunner(model, self.layer_caches, self.backend, block_size) \
             if self.device.type == "cuda" else None
+        # On a CPU, decode-only steps of up to cpu_graph_max_batch requests replay their kernels' calls (cpu_graphs)
+        self.cpu_graphs = None
+        # (not for sliding-window layers: their views of the metadata are made per step, as long as their windows)
+        if self.device.type == "cpu" and cpu_graph_max_batch > 0 and self.groups.num_groups == 1 \
+                and not cfg.sliding_window:
+            from pdserve.engine.cpu_kernels import load_kernels
+
+            self.cpu_graphs = CpuGraphRunner(model, self.layer_caches, self.backend, block_size,
+                                             cpu_graph_max_batch, load_kernels())
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        items, hidden, sample_rows = self._forward(sched)
-        sampling = [(item, rows) for item, rows in zip(items, sample_rows) if item.sample]
         out = ModelOutput()
-        for item, rows in zip(items, sample_rows):
-            if item.request.prompt_logprobs is not None and not item.request.prompt_logprobs_sent:
-                self._prompt_logprobs(item, rows[-1] - item.num_tokens + 1, hidden, out)
-        if not sampling:
-            return out
-        logits = self.model.compute_logits(hidden[[row for _, rows in sampling for row in rows]])
+        graphed = self._graphed(sched)
+        if graphed is not None:  # a decode-only step replayed (cpu_graphs): every request samples its one row
+            items, logits = graphed
+            sampling = [(item, [i]) for i, item in enumerate(items)]
+        else:
+            items, hidden, sample_rows = self._forward(sched)
+            sampling = [(item, rows) for item, rows in zip(items, sample_rows) if item.sample]
+            for item, rows in zip(items, sample_rows):
+                if item.request.prompt_logprobs is not None and not item.request.prompt_logprobs_sent:
+                    self._prompt_logprobs(item, rows[-1] - item.num_tokens + 1, hidden, out)
+            if not sampling:
+                return out
+            logits = self.model.compute_logits(hidden[[row for _, rows in sampling for row in rows]])
         if logits.device.type != "cpu":  # the sampler (per-request generators, penalties) runs on the CPU
             logits = logits.float().cpu()
         # One sampler row per logits row; a request verifying proposals has k + 1 of them, each
@@ -222,6 +238,24 @@ class ModelRunner:
         items, hidden, sample_rows = self._forward(sched)
         by_item = {id(item): rows[-1] for item, rows in zip(items, sample_rows)}
         return self.model.compute_logits(hidden[[by_item[id(item)] for item in sched.scheduled]]).float().cpu()
+
+    def _graphed(self, sched: SchedulerOutput):
+        """(items, logits) of a decode-only step the CPU graphs take (``cpu_graphs``): every request one
+        token, sampled, no proposals, no prompt logprobs due, no layer hook; else None."""
+        graphs, items = self.cpu_graphs, sched.scheduled
+        if graphs is None or not graphs.enabled or not 0 < len(items) <= graphs.max_batch:
+            return None
+        for item in items:
+            request = item.request
+            if (item.num_tokens != 1 or not item.sample or item.num_spec
+                    or (request.prompt_logprobs is not None and not request.prompt_logprobs_sent)):
+                return None
+        if self.layer_hook is not None:  # (a prefill worker's KV export: it plans per step, so not asked twice)
+            return None
+        input_ids, positions, meta, _ = self.prepare_inputs(items)
+        if not graphs.takes(meta, len(items)):
+            return None
+        return items, graphs.logits(input_ids, positions, meta)
 
     def _forward(self, sched: SchedulerOutput):
         # One-token requests first: the attention backend batches them together.
