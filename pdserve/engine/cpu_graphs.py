@@ -137,11 +137,14 @@ class CpuGraphRunner:
             decode_starts=torch.zeros(b + 1, dtype=torch.long), decode_lens=torch.zeros(b, dtype=torch.long),
             prefills=[])
 
+    def refused(self, n: int) -> bool:
+        """Whether steps of ``n`` requests run eagerly for good (not recorded, or a replay found wrong)."""
+        return n in self.graphs and self.graphs[n] is None
+
     def takes(self, meta, n: int) -> bool:
         """Whether a step of ``n`` one-token requests with this metadata may be recorded or replayed."""
         return (self.enabled and 0 < n <= self.max_batch and type(meta) is AttentionMetadata
-                and meta.num_decodes == n and not meta.prefills and not meta.window
-                and self.graphs.get(n, True) is not None)
+                and meta.num_decodes == n and not meta.prefills and not meta.window and not self.refused(n))
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The step's logits ``[n, vocab]`` (n one-token requests; ``takes`` said yes), valid until the next step."""

@@ -243,7 +243,7 @@ class ModelRunner:
         """(items, logits) of a decode-only step the CPU graphs take (``cpu_graphs``): every request one
         token, sampled, no proposals, no prompt logprobs due, no layer hook; else None."""
         graphs, items = self.cpu_graphs, sched.scheduled
-        if graphs is None or not graphs.enabled or not 0 < len(items) <= graphs.max_batch:
+        if graphs is None or not graphs.enabled or not 0 < len(items) <= graphs.max_batch or graphs.refused(len(items)):
             return None
         for item in items:
             request = item.request
