@@ -3,7 +3,7 @@
     python benchmarks/cpu_graphs.py                                  # float and int4, batches 1, 4, 8, 16
     python benchmarks/cpu_graphs.py --formats float,int8,gguf --batches 1,8 --kv-cache-dtype int8
 
-For each weight format, two engines over the same loaded model in one process, one with every step eager
+For each weight format, in a process of its own, two engines over the same loaded model, one with every step eager
 (``cpu_graph_max_batch`` 0) and one replaying decode-only steps of up to 8 requests; for each batch size,
 greedy requests of --prompt-len-token prompts generate --decode-tokens tokens each (ignore_eos), decode
 tokens/s timed from the step after every prompt is prefilled, the two engines alternated --repeats times
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,35 +46,47 @@ def decode(engine, batch: int, args, tag: str) -> tuple[float, dict[str, list[in
     return rate, {k.split("-", 1)[1]: v for k, v in tokens.items()}
 
 
-def run(args) -> list[dict]:
+def run_format(fmt: str, args) -> list[dict]:
+    """One format's rows, in this process (a child of ``main``)."""
     from tqdm import tqdm
 
     from pdserve.engine import EngineConfig, LLMEngine
-    from pdserve.engine.loader import load_model
 
-    formats = args.formats.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
-    bar = tqdm(total=len(formats) * len(batches) * args.repeats, desc="decode", file=sys.stderr)
-    for fmt in formats:
-        loaded = load_model(args.model, quantization=QUANTIZATION[fmt], progress=False)
-        engines = {g: LLMEngine(EngineConfig(model=args.model, quantization=QUANTIZATION[fmt], load_progress=False,
-                                             num_kv_blocks=1024, kv_cache_dtype=args.kv_cache_dtype,
-                                             cpu_graph_max_batch=g), loaded=loaded)
-                   for g in (0, args.max_batch)}
-        for batch in batches:
-            best = {0: 0.0, args.max_batch: 0.0}
-            outputs = {}
-            for rep in range(args.repeats):
-                for g, engine in engines.items():
-                    bar.set_description(f"{fmt} batch {batch}")
-                    rate, outputs[g] = decode(engine, batch, args, f"{fmt}{batch}r{rep}g{g}")
-                    best[g] = max(best[g], rate)
-                bar.update()
-            rows.append({"format": fmt, "batch": batch, "eager_tok_s": best[0], "graphs_tok_s": best[args.max_batch],
-                         "ratio": best[args.max_batch] / best[0],
-                         "same_tokens": outputs[0] == outputs[args.max_batch]})
+    bar = tqdm(total=len(batches) * args.repeats, desc=fmt, file=sys.stderr, leave=False)
+    engines = {}
+    for g in (0, args.max_batch):  # the first one loads the model (and sets the process's threads up, as its
+        # first torch work), the second shares its weights
+        loaded = engines[0].loaded if engines else None
+        engines[g] = LLMEngine(EngineConfig(model=args.model, quantization=QUANTIZATION[fmt], load_progress=False,
+                                            num_kv_blocks=1024, kv_cache_dtype=args.kv_cache_dtype,
+                                            cpu_graph_max_batch=g), loaded=loaded)
+    for batch in batches:
+        best = {0: 0.0, args.max_batch: 0.0}
+        outputs = {}
+        for rep in range(args.repeats):
+            for g, engine in engines.items():
+                bar.set_description(f"{fmt} batch {batch}")
+                rate, outputs[g] = decode(engine, batch, args, f"{fmt}{batch}r{rep}g{g}")
+                best[g] = max(best[g], rate)
+            bar.update()
+        rows.append({"format": fmt, "batch": batch, "eager_tok_s": best[0], "graphs_tok_s": best[args.max_batch],
+                     "ratio": best[args.max_batch] / best[0],
+                     "same_tokens": outputs[0] == outputs[args.max_batch]})
     bar.close()
+    return rows
+
+
+def run(args) -> list[dict]:
+    """Every format in a process of its own (the engine sets the process's threads up as its first torch work)."""
+    rows = []
+    for fmt in args.formats.split(","):
+        cmd = [sys.executable, __file__, "--child", fmt, *sys.argv[1:]]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        if proc.returncode:
+            raise SystemExit(f"{fmt} run failed with status {proc.returncode}")
+        rows += json.loads(proc.stdout.strip().splitlines()[-1])
     return rows
 
 
@@ -112,7 +125,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs of each engine per batch, alternated; the best "
                    "counts (default: %(default)s)")
     p.add_argument("--result-dir", default="bench-results", help="where JSON and PNG go (default: %(default)s)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child:
+        print(json.dumps(run_format(args.child, args)))
+        return 0
     unknown = sorted(set(args.formats.split(",")) - set(QUANTIZATION))
     if unknown:
         p.error(f"--formats: unknown {unknown}; choose among {list(QUANTIZATION)}")
