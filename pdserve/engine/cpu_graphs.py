@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 from pdserve.engine.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
+_RECORDING = threading.Lock()
 
 # Torch functions whose answers the recording computes again at replay (the answer a new tensor, its shape fixed by
 # the batch size, copied into the one the recorded calls read). A function whose answer is a view of its input, or
@@ -188,21 +189,25 @@ class CpuGraphRunner:
     def _record(self, n: int, meta: AttentionMetadata) -> torch.Tensor:
         tape, keep = [], []
         lib, thread = self.lib, threading.get_ident()
-        saved = {name: fn for name, fn in vars(lib).items() if isinstance(fn, ctypes._CFuncPtr)}
-        for name, fn in saved.items():
-            setattr(lib, name, _CallRecorder(fn, tape, thread))
-        try:
-            with _Recorder(tape, keep):
-                logits = self._eager(self.ids[:n], self.positions[:n], meta)
-        except _Refused as e:
-            return self._refuse(n, str(e), meta)
-        finally:
+        why = None
+        with _RECORDING:  # one recording at a time in the process: the library's functions are swapped for it
+            saved = {name: fn for name, fn in vars(lib).items() if isinstance(fn, ctypes._CFuncPtr)}
             for name, fn in saved.items():
-                setattr(lib, name, fn)
+                setattr(lib, name, _CallRecorder(fn, tape, thread))
+            try:
+                with _Recorder(tape, keep):
+                    logits = self._eager(self.ids[:n], self.positions[:n], meta)
+            except _Refused as e:
+                why = str(e)
+            finally:
+                for name, fn in saved.items():
+                    setattr(lib, name, fn)
         # a kernel looked up for the first time while recording went past the recorders
         unseen = [name for name, fn in vars(lib).items() if isinstance(fn, ctypes._CFuncPtr) and name not in saved]
-        if unseen:
-            return self._refuse(n, f"kernels {unseen} not recorded", meta)
+        if why is None and unseen:
+            why = f"kernels {unseen} not recorded"
+        if why is not None:
+            return self._refuse(n, why, meta)
         self.graphs[n] = _Graph(tape, logits, keep)
         return logits
 
