@@ -172,8 +172,8 @@ class CpuGraphRunner:
         self.ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         fields = {}
-        for f in ("slot_blocks", "slot_offsets", "decode_block_ids", "decode_block_req", "decode_block_mask",
-                  "decode_starts", "decode_lens"):
+        # (what the kernels read; decode_block_req and decode_block_mask are the torch path's, which is not recorded)
+        for f in ("slot_blocks", "slot_offsets", "decode_block_ids", "decode_starts", "decode_lens"):
             src, dst = getattr(meta, f), getattr(self.meta, f)
             if src.shape[0] > dst.shape[0]:
                 raise ValueError(f"CPU graph: {f} of {src.shape[0]} rows past its buffer of {dst.shape[0]}")
