@@ -10,8 +10,8 @@ model forward and output head, and later steps of ``b`` requests replay the reco
   pointers into the weights, the KV cache and the tensors the step made, which the tape keeps alive;
 - every torch function the forward calls (``torch.overrides.TorchFunctionMode``): a view or a new empty
   tensor needs nothing at replay; a function that computes (the embedding, the rotations' lookup, a copy
-  made contiguous, the last residual add) runs again on the tape's tensors and its answer is copied into
-  the tensor the recorded calls read. A function outside ``REPLAYED``, or one that hands a tensor's values
+  made contiguous, the last residual add, oneDNN's projections past the C kernels' rows) runs again on the
+  tape's tensors and its answer is copied into the tensor the recorded calls read. A function outside ``REPLAYED``, or one that hands a tensor's values
   to Python (``.item()``), refuses the recording: that batch size then always runs eagerly.
 
 The step's inputs go into fixed buffers first (token ids, positions, the decode block tables and slot
@@ -44,7 +44,8 @@ _RECORDING = threading.Lock()
 # the batch size, copied into the one the recorded calls read). A function whose answer is a view of its input, or
 # a new empty tensor (ALLOCATING), needs nothing at replay; any other one refuses the recording.
 REPLAYED = frozenset({"embedding", "index_select", "add", "__add__", "__getitem__", "contiguous", "clone", "reshape",
-                      "to", "float", "mul", "__mul__", "zeros", "zeros_like"})
+                      "to", "float", "mul", "__mul__", "zeros", "zeros_like",
+                      "_linear_pointwise", "pad"})  # (oneDNN's projections past the C kernels' rows, padded)
 ALLOCATING = frozenset({"empty", "empty_like"})
 # functions that hand a tensor's values to Python (what Python then does is not recorded)
 TO_PYTHON = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__iter__",
@@ -83,8 +84,8 @@ class _Recorder(TorchFunctionMode):
         self.keep.extend(outputs)
         if name in ALLOCATING:
             return out
-        inputs = {t.untyped_storage().data_ptr() for t in _tensors(args, kwargs)}
-        fresh = [(i, t) for i, t in enumerate(outputs) if t.untyped_storage().data_ptr() not in inputs]
+        inputs = {_storage(t) for t in _tensors(args, kwargs)}
+        fresh = [(i, t) for i, t in enumerate(outputs) if _storage(t) is None or _storage(t) not in inputs]
         in_place = name.endswith("_") and not name.endswith("__") or name.startswith("__i")
         if not fresh and not in_place:  # a view of an input: the replayed calls read the same memory
             return out
@@ -92,6 +93,12 @@ class _Recorder(TorchFunctionMode):
             raise _Refused(f"torch function {name}")
         self.tape.append(("op", func, args, kwargs, fresh))
         return out
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; None for a tensor without one (oneDNN's packed weights: an output of
+    such a tensor is taken for a new one, computed, never for a view)."""
+    return None if t.is_mkldnn else t.untyped_storage().data_ptr()
 
 
 def _flat(out) -> list[torch.Tensor]:

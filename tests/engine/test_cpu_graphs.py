@@ -102,3 +102,23 @@ def test_a_kernel_failure_in_a_replay_runs_the_step_eagerly(default_model):
     assert len(eager_steps) == before + 1  # the replay failed: the step ran eagerly
     got += run_to_completion(graphed)["a"]
     assert got == run_to_completion(eager)["a"]
+
+
+def test_steps_past_the_few_rows_kernels_replay_onednn():
+    """A bf16 model's projections of more rows than its C kernels take go through oneDNN's packed weights (tensors
+    without storage of their own), the rows padded: recorded and replayed too, the tokens those of eager steps."""
+    from pdserve.engine.loader import load_model
+    from pdserve.engine.quant.formats import BF16Linear
+
+    loaded = load_model(quantization="bf16", progress=False)
+    layers = [m for m in loaded.model.modules() if type(m) is BF16Linear]
+    if not layers or layers[0].packed is None:
+        pytest.skip("no oneDNN bfloat16 path here")
+    for m in layers:
+        m.few_rows = 2
+    options = {"quantization": "bf16", "kv_cache_dtype": "bfloat16"}
+    graphed = engine_for(loaded, 8, **options)
+    assert shrinking_batch(graphed) == shrinking_batch(engine_for(loaded, 0, **options))
+    graphs = graphed.runner.cpu_graphs.graphs
+    assert sorted(graphs) == list(range(1, 9)) and all(g is not None and g.checked for g in graphs.values())
+    assert_no_leaks(graphed)
