@@ -11,8 +11,9 @@ model forward and output head, and later steps of ``b`` requests replay the reco
 - every torch function the forward calls (``torch.overrides.TorchFunctionMode``): a view or a new empty
   tensor needs nothing at replay; a function that computes (the embedding, the rotations' lookup, a copy
   made contiguous, the last residual add, oneDNN's projections past the C kernels' rows) runs again on the
-  tape's tensors and its answer is copied into the tensor the recorded calls read. A function outside ``REPLAYED``, or one that hands a tensor's values
-  to Python (``.item()``), refuses the recording: that batch size then always runs eagerly.
+  tape's tensors and its answer is copied into the tensor the recorded calls read. A function outside
+  ``REPLAYED``, or one that hands a tensor's values to Python (``.item()``), refuses the recording: that
+  batch size then always runs eagerly.
 
 The step's inputs go into fixed buffers first (token ids, positions, the decode block tables and slot
 mapping of ``AttentionMetadata``, each with room for ``max_batch`` requests of the model's longest
