@@ -1,4 +1,5 @@
-"""The C kernels of ``csrc/`` (``cpu_kernels.c``, ``cpu_attention.c``, ``cpu_gguf.c``, ``cpu_qdot.c``): compiled once
+"""The C kernels of ``csrc/`` (``cpu_kernels.c``, ``cpu_attention.c``, ``cpu_gguf.c``, ``cpu_qdot.c``, ``cpu_amx.c``,
+``cpu_dpbf16.c``): compiled once
 per machine into one library on first use, loaded through ctypes.
 
 The shared object is cached under ``$PDSERVE_CACHE_DIR`` (default ``~/.cache/pdserve``), keyed
@@ -23,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.c", "cpu_attention.c", "cpu_gguf.c",
-                                                                   "cpu_qdot.c", "cpu_amx.c")]
+                                                                   "cpu_qdot.c", "cpu_amx.c", "cpu_dpbf16.c")]
 # included by the sources: part of the build's key
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_vec.h", "cpu_amx.h")]
 
@@ -119,13 +120,15 @@ def load_kernels() -> ctypes.CDLL | None:
         "amx_gemm_bf16": [ptr, i64, ptr, ptr, i64, i64, i64, i64],
         "amx_gemm_bf16_many": [ptr, i64, ptr, ptr, i64, i64, i64, i64],
         "amx_swiglu_bf16": [ptr, i64, ptr, ptr, i64, i64, i64],
+        "dp_gemm_available": [],
+        "dp_gemm_bf16": [ptr, i64, ptr, ptr, i64, i64, i64, i64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     for name in ("paged_decode_f32", "paged_prefill_f32", "paged_attention_f32_fits", "paged_prefill_bf16_products",
                  "qdot_available", "qdot_gemm_q4", "qdot_gemm_q8", "amx_gemm_available", "amx_gemm_bf16",
-                 "amx_gemm_bf16_many", "amx_swiglu_bf16"):
+                 "amx_gemm_bf16_many", "amx_swiglu_bf16", "dp_gemm_available", "dp_gemm_bf16"):
         getattr(lib, name).restype = ctypes.c_int
     return lib
 
@@ -161,13 +164,12 @@ def paged_prefill(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Attention of a prefill chunk (``q`` ``[n, H, D]``, see ``rows_of_heads``) over its context and
     itself, read from the cache in place (the chunk's keys and values already written); causal, and
     within ``window`` positions when it is non-zero. ``bf16_products``: the scores and the values
-    multiplied in bfloat16 (dot products; where the kernels were built with them, else float32; over an
-    int8 or fp8 cache, on AMX tiles only).
+    multiplied in bfloat16 (dot products; where the kernels were built with them, else float32).
     None when the kernel could not allocate its scratch (the caller computes it another way). ``out``:
     where the answer goes (``[n, H, D]``, ``rows_of_heads``: float32, or bfloat16 rounded as ``.to``
     rounds), else a new float32 tensor. ``fresh``: over an int8 or fp8 cache, the chunk's own keys and values
-    as the projection gave them (``rows_of_heads``), attended unquantized where the products run on AMX
-    tiles (elsewhere the cache's copies are read)."""
+    as the projection gave them (``rows_of_heads``), attended unquantized (the cached context dequantized once
+    per call: into AMX tiles' pairs, or a float32 copy of the blocks); without them the cache's copies are read."""
     n, h, d = q.shape
     _, kvh, bs, _ = v_cache.shape
     if out is None:
@@ -249,8 +251,18 @@ AMX_ROWS = 64  # rows of the decode kernel amx_gemm_bf16 (csrc/cpu_amx.c); more 
 def amx_pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor | None:
     """A bfloat16 ``[N, K]`` weight in AMX's tiles for ``amx_gemm`` (``amx_pack_bf16``), or None where
     that cannot run (no AMX here, or N and K not multiples of 32)."""
+    return _pairs(lib, weight) if lib.amx_gemm_available() else None
+
+
+def dp_pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 ``[N, K]`` weight for ``dp_gemm`` (the layout of AMX's tiles, which bf16 dot products read
+    too), or None where that cannot run (built without them, or N and K not multiples of 32)."""
+    return _pairs(lib, weight) if lib.dp_gemm_available() else None
+
+
+def _pairs(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor | None:
     n, k = weight.shape
-    if not lib.amx_gemm_available() or n % 32 or k % 32 or weight.dtype != torch.bfloat16:
+    if n % 32 or k % 32 or weight.dtype != torch.bfloat16:
         return None
     w = weight.contiguous()
     packed = torch.empty(n * k, dtype=torch.bfloat16)
@@ -270,6 +282,18 @@ def amx_gemm(lib: ctypes.CDLL, packed: torch.Tensor, n: int, x: torch.Tensor,
     kernel = lib.amx_gemm_bf16 if m <= AMX_ROWS else lib.amx_gemm_bf16_many
     failed = kernel(x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(), out.data_ptr(),
                     int(out_dtype == torch.bfloat16), m, n, k)
+    return None if failed else out
+
+
+def dp_gemm(lib: ctypes.CDLL, packed: torch.Tensor, n: int, x: torch.Tensor,
+            out_dtype: torch.dtype) -> torch.Tensor | None:
+    """``x W^T`` with bf16 dot products (W ``dp_pack``'s, ``n`` rows; ``csrc/cpu_dpbf16.c``), the same answer as
+    ``amx_gemm``'s: ``x`` contiguous ``[M, K]`` float32 or bfloat16, rounded to bfloat16; the products summed in
+    float32 and rounded to bfloat16, in ``out_dtype`` (float32 or bfloat16). None where it does not run."""
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=out_dtype)
+    failed = lib.dp_gemm_bf16(x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(), out.data_ptr(),
+                              int(out_dtype == torch.bfloat16), m, n, k)
     return None if failed else out
 
 

@@ -113,11 +113,10 @@ class CpuQuantizedKVAttention(QuantizedKVAttention):
     """An int8 or fp8 (e4m3) cache on CPU read and written in place by the C kernels: the KV write quantizes as
     ``quantize`` does, bit for bit (``cpu_kernels.write_kv``), and decode and prefill chunks read the one-byte
     blocks as they are (e4m3 widened through float16), each key's scale applied to its scores and each
-    value's to its probabilities (``csrc/cpu_attention.c``): no dequantized copy of the blocks a step
-    reads. A bf16 model's prefill chunks multiply in bfloat16 on AMX tiles where the processor has them
-    (the blocks dequantized into the tiles' pairs once per call, the chunk's own keys and values taken
-    unquantized, as the torch path takes them), in float32 elsewhere (there a chunk attends to its own
-    keys and values as the cache holds them, quantized). Shapes the kernels do not take: the torch path."""
+    value's to its probabilities (``csrc/cpu_attention.c``): no dequantized copy of the blocks a decode step
+    reads. A prefill chunk's cached context is dequantized once per call (into AMX tiles' pairs for a bf16
+    model where the processor has them, else into a float32 copy of the blocks) and its own keys and values
+    taken unquantized, as the torch path takes them. Shapes the kernels do not take: the torch path."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(num_heads, num_kv_heads, head_dim)

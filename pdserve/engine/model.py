@@ -399,18 +399,19 @@ class LlamaForCausalLM(nn.Module):
 
     def choose_few_rows(self, threads: int) -> None:
         """Up to how many rows the float32 projections, and bfloat16 ones (quantization bf16), go
-        through the C kernel, and bfloat16 ones through the AMX kernels where the processor has them:
-        this machine's answer for each (``cpu_measured``, measured once per machine); call after
+        through the C kernel, and bfloat16 ones through the AMX kernels where the processor has them, or
+        through bf16 dot products where it has those but no tiles: this machine's answer for each (``cpu_measured``, measured once per machine); call after
         ``prepare_for_cpu``."""
         from pdserve.engine.quant.formats import BF16Linear  # (formats builds on this module)
 
         def measured(kind: type, path_too: bool) -> None:
-            layer = [m for m in self.layers[0].modules()
-                     if type(m) is kind and m.kernels is not None and (not path_too or m.packed is not None)]
+            # (a bf16 projection with bf16 dot products has no widening kernel rows: dp_rows below)
+            layer = [m for m in self.layers[0].modules() if type(m) is kind and m.kernels is not None
+                     and (not path_too or m.packed is not None and m.dp is None)]
             if layer:
                 rows = cpu_measured.few_rows_for(layer, threads)
                 for module in self.modules():
-                    if type(module) is kind:
+                    if type(module) is kind and getattr(module, "dp", None) is None:
                         module.few_rows = rows
 
         measured(Linear, path_too=False)  # quantized projections have kernels of their own, but bf16's:
@@ -427,6 +428,9 @@ class LlamaForCausalLM(nn.Module):
                 answers[key] = measure(module, threads)
             return answers[key]
 
+        for module in self.modules():  # bf16 dot products (no AMX tiles): up to how many rows, per shape, the head too
+            if type(module) is BF16Linear and module.dp is not None and module.packed is not None:
+                module.dp_rows = per_shape("dp", module, cpu_measured.dp_rows_for)
         for layer in self.layers:
             for module in layer.modules():
                 if type(module) is BF16Linear and module.amx is not None and module.packed is not None:

@@ -227,15 +227,16 @@ def paged_bytes(seqs, block_size, dtype=torch.int8, seed=0):
 
 def check_byte_cases(dtype=torch.int8, bf16_products: bool = False) -> None:
     """Prefill chunks and decode batches over an int8 or fp8 cache (--kv-cache-dtype int8 or fp8) through
-    the kernels, against dense attention over the keys and values as the cache holds them. The kernels
-    multiply the widened bytes and apply each key's scale to its scores and each value's to its
-    probabilities: float32's bounds; with bf16 products (AMX tiles, the values dequantized into them)
-    bfloat16's, and there a chunk attends to its own keys and values unquantized (as the projection gave
-    them), the context's as the cache holds them."""
+    the kernels, against dense attention over the keys and values as the cache holds them. Decode multiplies
+    the widened bytes and applies each key's scale to its scores and each value's to its probabilities:
+    float32's bounds. A prefill chunk attends to its own keys and values unquantized (as the projection gave
+    them), the context's as the cache holds them (dequantized into the AMX tiles' pairs, or elsewhere into a
+    float32 copy of the blocks): float32's bounds, or with bf16 products (where the kernels have them)
+    bfloat16's."""
     from pdserve.engine.kv_quant import CpuQuantizedKVAttention
 
     torch.manual_seed(2)
-    on_tiles = bf16_products and load_kernels().paged_prefill_bf16_products() == 2
+    bf16 = bf16_products and load_kernels().paged_prefill_bf16_products() >= 1
     for heads, kv_heads, head_dim, block_size, context_len, query_len, window in PREFILL_CASES:
         backend = CpuQuantizedKVAttention(heads, kv_heads, head_dim)
         backend.bf16_products = bf16_products
@@ -245,10 +246,9 @@ def check_byte_cases(dtype=torch.int8, bf16_products: bool = False) -> None:
         k, v = keys[context_len:], values[context_len:]
         assert backend._kernel_prefill(q, k, v, k_cache, v_cache, chunk) is not None, "the kernel, not torch's path"
         out = backend.prefill(q, k, v, k_cache, v_cache, chunk)
-        if on_tiles:
-            held_k, held_v = torch.cat([held_k[:context_len], k]), torch.cat([held_v[:context_len], v])
+        held_k, held_v = torch.cat([held_k[:context_len], k]), torch.cat([held_v[:context_len], v])
         expected = reference(q, held_k, held_v, context_len, window)
-        if bf16_products:  # (tighter than check_prefill_cases': a chunk's own keys read from an fp8 cache miss them)
+        if bf16:  # (tighter than check_prefill_cases': a chunk's own keys read from an fp8 cache miss them)
             assert (out - expected).abs().max() < 0.02
             assert (out - expected).pow(2).mean().sqrt() < 0.002
         else:
@@ -416,9 +416,10 @@ def test_the_kv_write_rounds_into_a_bfloat16_cache_as_torch_does(first_offset):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
 def test_the_kernels_read_a_one_byte_cache_in_place(dtype):
-    """--kv-cache-dtype int8 or fp8: decode and prefill read the one-byte blocks and their scales as they
-    are (kv_quant.CpuQuantizedKVAttention), with float32 products and, for a bf16 model, bf16 ones (on AMX
-    tiles where this processor lends them, else float32)."""
+    """--kv-cache-dtype int8 or fp8: decode reads the one-byte blocks and their scales as they are
+    (kv_quant.CpuQuantizedKVAttention), prefill them dequantized with the chunk's own keys and values
+    unquantized, with float32 products and, for a bf16 model, bf16 ones (on AMX tiles where this processor
+    lends them, else vdpbf16ps where it has them, else float32)."""
     check_byte_cases(dtype)
     check_byte_cases(dtype, bf16_products=True)
 

@@ -56,7 +56,8 @@ def test_int8_linear_close_to_float(weight_and_input):
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 64])
 def test_bf16_linear_close_to_float_through_each_path(weight_and_input, rows):
-    """1-4 rows through the C kernels (float32 arithmetic on bf16 weights), more through oneDNN."""
+    """1-4 rows through the C kernels (float32 arithmetic on bf16 weights), more through oneDNN; where bf16 dot
+    products take the rows from the first (no AMX tiles), every row count rounds x to bfloat16."""
     from pdserve.engine.quant.formats import BF16Linear
 
     w, x = weight_and_input
@@ -65,7 +66,7 @@ def test_bf16_linear_close_to_float_through_each_path(weight_and_input, rows):
     assert layer.qweight.dtype == torch.bfloat16 and layer.weight_bytes() == w.numel() * 2
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (rows, w.shape[0])
-    assert rel_err(got, F.linear(x, layer.dequantize())) < (1e-5 if rows <= 4 else 0.02)
+    assert rel_err(got, F.linear(x, layer.dequantize())) < (1e-5 if rows <= layer.few_rows else 0.02)
     assert rel_err(got, F.linear(x, w)) < 0.02
 
 
@@ -129,6 +130,29 @@ def test_amx_rows_are_measured_per_shape_and_chosen_by_the_least_time(monkeypatc
         assert rows == want and seconds == {r: (float(a), float(d)) for r, (a, d) in script.items()}
 
 
+def test_bf16_linear_through_dot_products_up_to_its_rows_then_onednn():
+    """Where the processor has bf16 dot products but no AMX tiles, a bf16 layer's rows from the first up to its
+    ``dp_rows`` go through our vdpbf16ps kernel (``dp_gemm``; float32 or bfloat16 x in, float32 or bfloat16 out,
+    ``product_bf16`` included), more through oneDNN, which rounds alike: within one bfloat16 step of it."""
+    from pdserve.engine import cpu_kernels
+    from pdserve.engine.model import onednn_linear
+    from pdserve.engine.quant.formats import BF16Linear
+
+    gen = torch.Generator().manual_seed(8)
+    layer = BF16Linear(torch.randn(96, 160, generator=gen) * 0.05)
+    if layer.dp is None or layer.packed is None:
+        pytest.skip("no bf16 dot products here, or AMX tiles instead")
+    assert layer.few_rows == 0 and "dot products" in layer.path and layer.onednn_rows == layer.dp_rows + 1
+    layer.dp_rows = 8
+    for rows in (1, 8, 9, 40):
+        x = torch.randn(rows, 160, generator=gen)
+        ours = cpu_kernels.dp_gemm(layer.kernels, layer.dp, 96, x, torch.float32)
+        theirs = onednn_linear(x.to(torch.bfloat16), layer.packed, layer.padded_rows).float()
+        assert torch.equal(layer(x), ours if rows <= 8 else theirs), rows
+        assert torch.equal(layer.product_bf16(x.to(torch.bfloat16)).float(), ours if rows <= 8 else theirs)
+        assert ((ours - theirs).abs() <= theirs.abs() * 2**-7 + 1e-6).all()
+
+
 def test_bf16_swiglu_stays_in_bfloat16_and_equals_the_widened_path():
     """Past the C kernels' rows a bf16 MLP hands gate_up's bfloat16 product to SwiGLU and the down
     projection as it is (``silu_mul_bf16``); the result is bit for bit the path that widens the product
@@ -163,7 +187,8 @@ def test_bf16_swiglu_stays_in_bfloat16_and_equals_the_widened_path():
         h = cpu_kernels.silu_mul(lib, mlp.gate_up_proj(x))
         assert h.dtype == torch.float32
         assert torch.equal(mlp(x), mlp.down_proj(h)), rows
-    assert mlp.gate_up_proj.product_bf16(x[:3]) is None  # the C kernels' rows: float32 all through
+    # the C kernels' rows: float32 all through (none where bf16 dot products take every row)
+    assert (mlp.gate_up_proj.product_bf16(x[:3]) is None) == (mlp.gate_up_proj.few_rows >= 3)
 
 
 def test_bf16_swiglu_fused_into_the_amx_gate_up_equals_swiglu_after_it():

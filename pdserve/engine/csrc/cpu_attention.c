@@ -125,6 +125,14 @@ static inline __attribute__((always_inline)) void pv_tile(float *o, const float 
         for (int u = 0; u < 4; u++) vstore(o + i * D + c + u * VW, acc[i][u]);
 }
 
+/* A one-byte cache's prefill: the chunk's own keys and values as the projection gave them (float32
+ * rows [n][KVH][D], k_stride and v_stride floats apart), for positions ctx .. ctx + n - 1, so the chunk
+ * attends to them unquantized, as the torch path and vLLM's attend to a chunk's own; NULL k: none. */
+typedef struct {
+    const float *k, *v;
+    int64_t k_stride, v_stride, ctx, n;
+} raw_kv_t;
+
 /* bfloat16 products (a bf16-quantized model's prefill, on processors with bf16 dot products):
  * the scores and the values computed with vdpbf16ps, which multiplies pairs of bfloat16 and adds
  * both products to a float32 lane, at twice the FMA rate; the softmax, the outputs and the cache
@@ -231,14 +239,6 @@ static inline __m512i pair_lanes_f(__m512 a, __m512 b) {
 static inline __m512i pair_lanes(const float *a, const float *b) {
     return pair_lanes_f(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
 }
-/* A one-byte cache's prefill: the chunk's own keys and values as the projection gave them (float32
- * rows [n][KVH][D], k_stride and v_stride floats apart), for positions ctx on, so the chunk attends to
- * them unquantized, as the torch path and vLLM's attend to a chunk's own; NULL k: none. */
-typedef struct {
-    const float *k, *v;
-    int64_t k_stride, v_stride, ctx;
-} raw_kv_t;
-
 /* 16 one-byte elements of an int8 or fp8 cache widened, times their scales */
 static inline __m512 byte_scaled(const char *p, __m512 scale, const int kvb) {
     return _mm512_mul_ps((__m512)kvload(p, 0, kvb), scale);
@@ -843,6 +843,45 @@ int paged_decode_f32(const float *q, const void *k, const void *v, const int64_t
     return failed ? -1 : 0;
 }
 
+/* A one-byte cache's keys and values for a prefill chunk without AMX tiles: positions [0, ctx) dequantized
+ * and the chunk's own [ctx, ctx + n) as the projection gave them (raw), into fk and fv, float32 blocks in the
+ * cache's layout (local block b holding positions b BS ..), zeros past the last position. The chunk then
+ * attends to its own keys unquantized, as the torch path and vLLM do (and as pack_kv_pairs has it on AMX
+ * tiles); the copy is ~1/n of the attention's work. */
+static void dequantize_context(float *fk, float *fv, const void *k, const void *v, const int64_t *blocks,
+                               int64_t nblk, int64_t KVH, int64_t D, int64_t BS, const raw_kv_t *raw, const int kvb) {
+    const int64_t end = raw->ctx + raw->n;
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t b = 0; b < nblk; b++)
+        for (int64_t h = 0; h < KVH; h++) {
+            float *kd = fk + (b * KVH + h) * D * BS, *vd = fv + (b * KVH + h) * BS * D;
+            const int64_t p0 = b * BS;
+            if (p0 < raw->ctx) { /* (cached positions in the block: the whole block, its later slots overwritten) */
+                const char *kh = kv_head(k, blocks[b], h, KVH, D, BS, kvb), *vh = kv_head(v, blocks[b], h, KVH, D, BS, kvb);
+                const float *ks = kv_scales(kh, D, BS), *vs = kv_scales(vh, D, BS);
+                for (int64_t d = 0; d < D; d++)
+                    for (int64_t j = 0; j < BS; j += VW) {
+                        vf sc;
+                        for (int i = 0; i < VW; i++) sc[i] = ks[j + i] * KV_SCALE(kvb);
+                        vstore(kd + d * BS + j, kvload(kh, d * BS + j, kvb) * sc);
+                    }
+                for (int64_t j = 0; j < BS; j++)
+                    for (int64_t d = 0; d < D; d += VW)
+                        vstore(vd + j * D + d, kvload(vh, j * D + d, kvb) * (vs[j] * KV_SCALE(kvb)));
+            }
+            for (int64_t j = 0; j < BS; j++) {
+                const int64_t pos = p0 + j;
+                if (pos < raw->ctx) continue;
+                const float *kr = pos < end ? raw->k + (pos - raw->ctx) * raw->k_stride + h * D : NULL;
+                const float *vr = pos < end ? raw->v + (pos - raw->ctx) * raw->v_stride + h * D : NULL;
+                for (int64_t d = 0; d < D; d++) {
+                    kd[d * BS + j] = kr != NULL ? kr[d] : 0.0f;
+                    vd[j * D + d] = vr != NULL ? vr[d] : 0.0f;
+                }
+            }
+        }
+}
+
 /* How paged_prefill_f32 multiplies in bfloat16: 0 it cannot (built without bf16 dot products), 1
  * with AVX-512 bf16 dot products, 2 on AMX tiles (built for them and granted by the kernel). */
 int paged_prefill_bf16_products(void) { return BF16_PRODUCTS ? 1 + (AMX_PRODUCTS && amx_products()) : 0; }
@@ -871,6 +910,28 @@ int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_
     }
 #endif
     const int amx = pk != NULL;
+    /* a one-byte cache without the tiles: its context dequantized and the chunk's own keys and values raw, in a
+     * float32 copy of the blocks the call reads instead (dequantize_context); without memory for it, or without
+     * the raw keys, the bytes read in place (a chunk's own keys then quantized) with float32 products */
+    float *fk = NULL, *fv = NULL;
+    int64_t *fblocks = NULL;
+    const int64_t nblk = (ctx + n + BS - 1) / BS;
+    if (KV_BYTES(kv_kind) && !amx && k_new != NULL && v_new != NULL) {
+        fk = aligned_alloc(64, sizeof(float) * nblk * KVH * D * BS);
+        fv = aligned_alloc(64, sizeof(float) * nblk * KVH * D * BS);
+        fblocks = malloc(sizeof(int64_t) * nblk);
+        if (fk == NULL || fv == NULL || fblocks == NULL) {
+            free(fk), free(fv), free(fblocks);
+            fk = fv = NULL, fblocks = NULL;
+        }
+    }
+    const raw_kv_t raw = {k_new, v_new, k_new_stride, v_new_stride, ctx, n};
+    if (fk != NULL) {
+#pragma omp parallel
+        dequantize_context(fk, fv, k, v, blocks, nblk, KVH, D, BS, &raw, (int)kv_kind);
+        for (int64_t b = 0; b < nblk; b++) fblocks[b] = b;
+        k = fk, v = fv, blocks = fblocks, kv_kind = KV_F32;
+    }
     if (KV_BYTES(kv_kind) && !amx) bf16 = 0; /* (a one-byte cache's bf16 products: on AMX tiles only, pack_kv_pairs) */
     const int64_t ppt = amx ? ROWS / (H / KVH) : PB;
     const int64_t pblocks = (n + ppt - 1) / ppt; /* tasks run last positions first: the most keys, so the
@@ -884,9 +945,8 @@ int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_
         failed = qs == NULL;
 #if AMX_PRODUCTS
         if (amx) { /* the tiles' shapes, on each thread (oneDNN loads its own) */
-            const raw_kv_t fresh = {k_new, v_new, k_new_stride, v_new_stride, ctx};
             pack_kv_pairs(pk, pv, head_u32, nkeys, nkeys_kc, k, v, blocks, KVH, D, BS, (int)kv_kind,
-                          KV_BYTES(kv_kind) && k_new != NULL && v_new != NULL ? &fresh : NULL);
+                          KV_BYTES(kv_kind) && k_new != NULL && v_new != NULL ? &raw : NULL);
             amx_configure();
             pairs.amx = 1;
             pairs.pk = pk;
@@ -906,5 +966,6 @@ int paged_prefill_f32(const float *q, const void *k, const void *v, const int64_
     }
     free(pk);
     free(pv);
+    free(fk), free(fv), free(fblocks);
     return failed ? -1 : 0;
 }
