@@ -400,8 +400,8 @@ class LlamaForCausalLM(nn.Module):
     def choose_few_rows(self, threads: int) -> None:
         """Up to how many rows the float32 projections, and bfloat16 ones (quantization bf16), go
         through the C kernel, and bfloat16 ones through the AMX kernels where the processor has them, or
-        through bf16 dot products where it has those but no tiles: this machine's answer for each (``cpu_measured``, measured once per machine); call after
-        ``prepare_for_cpu``."""
+        through bf16 dot products where it has those but no tiles: this machine's answer for each
+        (``cpu_measured``, measured once per machine); call after ``prepare_for_cpu``."""
         from pdserve.engine.quant.formats import BF16Linear  # (formats builds on this module)
 
         def measured(kind: type, path_too: bool) -> None:
