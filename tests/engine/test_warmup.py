@@ -38,8 +38,11 @@ print("DONE", json.dumps({"path": path, "tokens": tokens}), flush=True)
 """
 
 
-def _kernels_built_while_serving(warmup: str, *draft: str, amx: bool = True) -> tuple[int, dict]:
-    env = {**os.environ, "ONEDNN_VERBOSE": "all", "OMP_NUM_THREADS": "1", **({} if amx else {"PDSERVE_AMX_OFF": "1"})}
+def _kernels_built_while_serving(warmup: str, *draft: str, ours: bool = True) -> tuple[int, dict]:
+    """(oneDNN kernels built while serving, the probe's answer); ``ours`` False: a bf16 model's own kernels off
+    (AMX tiles, bf16 dot products), so that oneDNN multiplies every row count past the C kernels'."""
+    off = {} if ours else {"PDSERVE_AMX_OFF": "1", "PDSERVE_DP_OFF": "1"}
+    env = {**os.environ, "ONEDNN_VERBOSE": "all", "OMP_NUM_THREADS": "1", **off}
     out = subprocess.run([sys.executable, "-c", _PROBE, warmup, *draft], capture_output=True, text=True, env=env,
                          check=True, timeout=300)
     lines = out.stdout.splitlines()
@@ -84,13 +87,14 @@ def test_bfloat16_weights_are_warmed_up_too_and_no_step_builds_a_kernel():
     """``--quantization bf16``: its projections (``BF16Linear``, oneDNN's bfloat16 kernels) are warmed up
     as the float32 ones: each row count up to ``EXACT_ROWS``, the buckets above it. Before, every step
     size a server met built a kernel while serving, and the process grew by ~0.7 MiB a shape each time.
-    Without AMX tiles (``PDSERVE_AMX_OFF=1``: oneDNN takes every row count past the C kernels') and with
-    them (they take the rows up to each shape's measured ``amx_rows``, oneDNN the rest, if any)."""
+    Without our kernels (``PDSERVE_AMX_OFF=1``, ``PDSERVE_DP_OFF=1``: oneDNN takes every row count past the C
+    kernels') and with them (AMX tiles or bf16 dot products take the rows up to each shape's measured
+    ``amx_rows`` or ``dp_rows``, oneDNN the rest, if any)."""
     if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("no oneDNN bfloat16 matmuls on this processor")
-    cold, without = _kernels_built_while_serving("off", "quantization=bf16", amx=False)
+    cold, without = _kernels_built_while_serving("off", "quantization=bf16", ours=False)
     assert cold > 0
-    warm, with_it = _kernels_built_while_serving("on", "quantization=bf16", amx=False)
+    warm, with_it = _kernels_built_while_serving("on", "quantization=bf16", ours=False)
     assert warm == 0
     assert with_it["tokens"] == without["tokens"] and len(with_it["tokens"]) == 8
     warm, on_tiles = _kernels_built_while_serving("on", "quantization=bf16")

@@ -71,8 +71,12 @@ static void dp_rows(const uint32_t *xp, const uint16_t *b0, int64_t pairs, void 
 #define DP_BUILT 0
 #endif
 
-/* Whether dp_gemm_bf16 runs here (built with bf16 dot products). */
-int dp_gemm_available(void) { return DP_BUILT; }
+/* Whether dp_gemm_bf16 runs here: built with bf16 dot products, and PDSERVE_DP_OFF=1 not in the environment
+ * (which, as PDSERVE_AMX_OFF does for the tiles, leaves those rows to the widening kernel and oneDNN). */
+int dp_gemm_available(void) {
+    const char *off = getenv("PDSERVE_DP_OFF");
+    return DP_BUILT && (off == NULL || off[0] != '1');
+}
 
 /* y [M][N] = x [M][K] W^T, W packed by amx_pack_bf16; x float32 (rounded to bfloat16 as torch rounds)
  * or bfloat16 (x_bf16, read in place); y bfloat16 (y_bf16) or those values widened to float32. Returns
