@@ -126,8 +126,8 @@ class CpuPlan:
             bf16 += (" and AMX tiles (a bf16 model's prefill attention and its projections of up to 64 rows, where "
                      "Linux lends them; PDSERVE_AMX_OFF=1 keeps them off)")
         elif self.bf16_dot:
-            bf16 += (" (a bf16 model's projections from one row up to where oneDNN overtakes, measured per shape, "
-                     "through our vdpbf16ps kernel; PDSERVE_DP_OFF=1 keeps it off)")
+            bf16 += (" (a bf16 model's projections from one row up to 32, and on to where oneDNN overtakes, measured "
+                     "per shape, through our vdpbf16ps kernel; PDSERVE_DP_OFF=1 keeps it off)")
         return (f"CPU ISA {self.isa}: {why}; {paths[self.linear_path]}, a few rows through the C kernels (how many: "
                 f"measured, cpu_measured); {bf16}")
 

@@ -31,7 +31,8 @@ Five choices use it:
   384-768 rows, its qkv at 768-1,024: no faster than on one thread), our kernel at ~2.1-2.4 TFLOP/s
   throughout; oneDNN led on the 3,072-wide gate_up and from ~1,536 rows (up to 2.9).
 - **a bf16 projection's rows through bf16 dot products** (``dp_rows_for``): where there are no AMX tiles, up
-  to how many rows each shape goes through our vdpbf16ps kernel (``cpu_kernels.dp_gemm``) rather than oneDNN. On
+  to how many rows each shape goes through our vdpbf16ps kernel (``cpu_kernels.dp_gemm``) rather than oneDNN,
+  past the ``BF16Linear.DP_ROWS`` it always takes. On
   2 Zen 4 cores it streams SmolLM2's weights at ~29 GB/s at one row and ~24 at 8 (oneDNN: ~18), and stays level
   with oneDNN's bf16 matmul (within 4%) up to 512 rows.
 - **a bf16 MLP's SwiGLU in the AMX kernel's stores** (``swiglu_rows_for``): up to how many rows
@@ -169,7 +170,7 @@ def few_rows_for(layer: list, threads: int) -> int:
                 machine_key(layer[0].path, f"{threads} threads", shapes, build), timed)
 
 
-DP_CANDIDATES = (1, 4, 8, 16, 32, 64, 128, 256, 512)
+DP_CANDIDATES = (64, 128, 256, 512)  # (fewer rows: the dot products, BF16Linear.DP_ROWS)
 AMX_CANDIDATES = (128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
 SWIGLU_CANDIDATES = (32, 64, 128, 256, 512, 1024, 2048)
 AMX_ROUNDS = 5

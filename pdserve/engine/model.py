@@ -430,7 +430,7 @@ class LlamaForCausalLM(nn.Module):
 
         for module in self.modules():  # bf16 dot products (no AMX tiles): up to how many rows, per shape, the head too
             if type(module) is BF16Linear and module.dp is not None and module.packed is not None:
-                module.dp_rows = per_shape("dp", module, cpu_measured.dp_rows_for)
+                module.dp_rows = max(BF16Linear.DP_ROWS, per_shape("dp", module, cpu_measured.dp_rows_for))
         for layer in self.layers:
             for module in layer.modules():
                 if type(module) is BF16Linear and module.amx is not None and module.packed is not None:

@@ -57,7 +57,8 @@ def test_bf16_weights_measure_their_own_threshold_and_the_model_sets_it(tmp_path
     """A bf16 model's projections (``BF16Linear``) are timed apart from float32 ones, under a key of
     their own (``onednn bf16``), and ``choose_few_rows`` gives every bf16 projection that answer (and,
     with AMX tiles, each layer projection its shape's measured AMX rows; with bf16 dot products and no
-    tiles, no widening rows at all and each shape, the head's too, its measured dot-product rows)."""
+    tiles, no widening rows at all and each shape, the head's too, its measured dot-product rows, at least
+    ``DP_ROWS``)."""
     from pdserve.engine.config import PRESETS
     from pdserve.engine.cpu_kernels import AMX_ROWS
     from pdserve.engine.model import LlamaForCausalLM
@@ -85,7 +86,7 @@ def test_bf16_weights_measure_their_own_threshold_and_the_model_sets_it(tmp_path
     monkeypatch.setattr(cpu_measured, "measure_swiglu_rows", lambda module, candidates: (64, {64: (1.0, 2.0)}))
     dp_rows = {}  # each shape's answer, measured once
     monkeypatch.setattr(cpu_measured, "measure_dp_rows", lambda module, candidates: (
-        dp_rows.setdefault((module.out_features, module.in_features), 16 * (len(dp_rows) + 1)), {1: (1.0, 2.0)}))
+        dp_rows.setdefault((module.out_features, module.in_features), 16 * len(dp_rows)), {64: (1.0, 2.0)}))
     model.choose_few_rows(1)
     assert {m.few_rows for m in model.modules() if isinstance(m, BF16Linear)} == ({0} if dp else {12})
     # the layers' projections take the measured AMX rows (with tiles), any other (the head) AMX_ROWS
@@ -93,7 +94,7 @@ def test_bf16_weights_measure_their_own_threshold_and_the_model_sets_it(tmp_path
     for m in model.modules():
         if isinstance(m, BF16Linear):
             most = (256 if id(m) in in_layers else AMX_ROWS) if amx else 12
-            most = dp_rows[(m.out_features, m.in_features)] if dp else most
+            most = max(BF16Linear.DP_ROWS, dp_rows[(m.out_features, m.in_features)]) if dp else most
             assert m.onednn_rows == most + 1 and (m.dp_rows == most) == dp
     assert len(dp_rows) == (len({(m.out_features, m.in_features) for m in model.modules()
                                  if isinstance(m, BF16Linear)}) if dp else 0)

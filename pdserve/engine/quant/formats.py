@@ -336,16 +336,19 @@ class BF16Linear(QuantLinear):
     counts (SmolLM2's o and down projections at 384-768 rows), and led only on its widest shape and
     from ~1,536 rows.
     Where the processor has bf16 dot products but no AMX tiles (a Zen 4 EPYC), the weight is packed in the
-    tiles' layout all the same (``dp``) and up to ``dp_rows`` rows (measured per shape against oneDNN:
-    ``cpu_measured.dp_rows_for``), from one row, go through a kernel of ours on vdpbf16ps
-    (``cpu_kernels.dp_gemm``) that streams it at the memory's rate: SmolLM2's 30 layers and head (268 MB) at 1 row
-    in 9.0 ms against 13.8 through the widening kernel and 14.8 through oneDNN, at 8 rows 11.1 against 14.9
-    (oneDNN) on 2 Zen 4 cores. Those rows are then rounded to bfloat16 as oneDNN's are (``few_rows`` 0: no widening
-    kernel), so a request's products round alike in a batch of any size.
+    tiles' layout all the same (``dp``) and from one row up to ``dp_rows`` (at least ``DP_ROWS``, past that
+    measured per shape against oneDNN: ``cpu_measured.dp_rows_for``) go through a kernel of ours on vdpbf16ps
+    (``cpu_kernels.dp_gemm``) that streams it at the memory's rate: SmolLM2's 30 layers and head (268 MB) at
+    1 row in 9.0 ms against 13.8 through the widening kernel and 14.8 through oneDNN, at 8 rows 11.1 against
+    14.9 (oneDNN) on 2 Zen 4 cores. Those rows are then rounded to bfloat16 as oneDNN's are (``few_rows`` 0:
+    no widening kernel), so a request's products round alike in a batch of any size.
     """
 
     FEW_ROWS = 4
-    DP_ROWS = 64  # (until measured)
+    # the rows bf16 dot products take at least: a decode step's rows stream the weights from memory, where the kernel
+    # leads oneDNN 1.1-1.6x up to 64 rows (SmolLM2's 30 layers and head), which a race of one layer's weight (in
+    # cache) does not show: timed so, single shapes gave 1 row one time and 512 another; the race decides past it
+    DP_ROWS = 32
     # oneDNN builds (and keeps) a kernel per row count: unpadded, a server grew by 0.6-0.85 MiB per
     # shape for every step size it met (336 MiB for 100 row counts of SmolLM2's four body shapes; up to
     # 2,048 of them). Above EXACT_ROWS the rows are padded to the float32 path's buckets
