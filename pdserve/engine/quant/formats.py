@@ -396,8 +396,8 @@ class BF16Linear(QuantLinear):
         return cpu_kernels.gemm_rows(self.kernels, self.qweight, x)
 
     def many_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``x W^T`` in bfloat16 products (AMX tiles up to their rows, oneDNN's where the weight is packed),
-        in ``x``'s dtype."""
+        """``x W^T`` in bfloat16 products (AMX tiles or bf16 dot products up to their rows, oneDNN's where the
+        weight is packed), in ``x``'s dtype."""
         out = self._ours(x, x.dtype)
         if out is not None:
             return out
@@ -418,7 +418,9 @@ class BF16Linear(QuantLinear):
         if not self.takes_bf16(x.shape[0]):
             return None
         out = self._ours(x, torch.bfloat16)
-        return out if out is not None else onednn_linear(x.to(torch.bfloat16), self.packed, self.padded_rows)
+        if out is not None or self.packed is None:  # (no oneDNN weight: the caller's float32 path)
+            return out
+        return onednn_linear(x.to(torch.bfloat16), self.packed, self.padded_rows)
 
     @property
     def tile_rows(self) -> int:
