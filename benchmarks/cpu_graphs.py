@@ -4,12 +4,12 @@
     python benchmarks/cpu_graphs.py --formats float,int8,gguf --batches 1,8 --kv-cache-dtype int8
 
 For each weight format, in a process of its own, two engines over the same loaded model, one with every step eager
-(``cpu_graph_max_batch`` 0) and one replaying decode-only steps of up to 8 requests; for each batch size,
+(``cpu_graph_max_batch`` 0) and one replaying decode-only steps of up to --max-batch requests (16); for each batch size,
 greedy requests of --prompt-len-token prompts generate --decode-tokens tokens each (ignore_eos), decode
 tokens/s timed from the step after every prompt is prefilled, the two engines alternated --repeats times
 and the best of each kept (this machine is shared: the best run is the least disturbed). The first steps
 of each size record and check the graph (one eager step more each); they are inside the timing. Batches
-above 8 run eagerly in both: their ratio shows what the machine's noise is. The greedy tokens of the two
+above --max-batch run eagerly in both: their ratio shows what the machine's noise is. The greedy tokens of the two
 engines are compared (they must be equal). Prints a table with the CPU's flags, writes JSON and a PNG plot.
 """
 
@@ -115,8 +115,8 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (default: %(default)s)")
     p.add_argument("--formats", default="float,int4", help="weight formats among " + ",".join(QUANTIZATION)
                    + " (default: %(default)s)")
-    p.add_argument("--batches", default="1,4,8,16", help="decode batch sizes (default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=8, help="the replaying engine's --cpu-graph-max-batch "
+    p.add_argument("--batches", default="1,4,8,16,32", help="decode batch sizes (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=16, help="the replaying engine's --cpu-graph-max-batch "
                    "(default: %(default)s)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8", "fp8"],
                    help="both engines' KV cache (default: %(default)s)")

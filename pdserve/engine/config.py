@@ -277,7 +277,7 @@ class EngineConfig:
         "(avx2 on an AVX-512 machine gives the AVX2 figures); one the processor lacks is refused"
     )
     cpu_graph_max_batch: int = doc(
-        8, "CPU: decode-only steps of up to this many requests are recorded once per batch size and replayed as "
+        16, "CPU: decode-only steps of up to this many requests are recorded once per batch size and replayed as "
         "their C kernels' calls, without the Python around them (as CUDA graphs on a GPU; checked against an "
         "eager step on first replay); 0: every step eager"
     )
