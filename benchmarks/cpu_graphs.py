@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-QUANTIZATION = {"float": "none", "int8": "int8", "int4": "int4", "gguf": "gguf", "bf16": "bf16", "awq": "awq"}
+QUANTIZATION = {"float": "none", "int8": "int8", "w8a8": "w8a8_int8", "int4": "int4", "gguf": "gguf", "bf16": "bf16",
+                "awq": "awq"}
 
 
 def decode(engine, batch: int, args, tag: str) -> tuple[float, dict[str, list[int]]]:

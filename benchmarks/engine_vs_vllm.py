@@ -68,7 +68,8 @@ def phases(reps: int, seed: int) -> list[dict]:
 # pdserve's variants: (dtype, quantization, kv_cache_dtype)
 VARIANTS = {"float32": ("float32", "none", "auto"), "bfloat16": ("bfloat16", "none", "auto"),
             "bf16": ("float32", "bf16", "auto"), "bf16-kv16": ("float32", "bf16", "bfloat16"),
-            "bf16-kv8": ("float32", "bf16", "int8")}
+            "bf16-kv8": ("float32", "bf16", "int8"), "w8a8": ("float32", "w8a8_int8", "auto"),
+            "w8a8-kv8": ("float32", "w8a8_int8", "int8")}
 
 
 def pdserve_child(input_path: str, output_path: str, cpu_isa: str, variant: str, threads: int) -> None:
@@ -119,7 +120,8 @@ def mfu_rows(args, out: Path, isa: str, raw: dict, rows: list[dict]) -> list[dic
     if not models or not prefills:
         return []
     def precision(row: dict) -> str:  # ("native float32", "native bf16-kv16 (vLLM bfloat16)", ...)
-        return "float32" if row["mode"].split(" (")[0].endswith("float32") else "bfloat16"
+        variant = row["mode"].split(" (")[0].split(" ")[-1]
+        return "float32" if variant == "float32" else "int8" if variant.startswith("w8a8") else "bfloat16"
 
     peak_out = out / f"gemm_peak_{isa}.json"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -157,8 +159,9 @@ def prefill_flops(model: dict, tokens: int) -> float:
 
 
 def gemm_peak_child(output_path: str, threads: int, dtypes: str) -> None:
-    """The processor's matmul peak as torch reaches it with ``threads`` threads, in float32 (MKL) and
-    bfloat16 (oneDNN: AMX tiles or bf16 dot products where present): the best over a few large
+    """The processor's matmul peak as torch reaches it with ``threads`` threads, in float32 (MKL),
+    bfloat16 (oneDNN: AMX tiles or bf16 dot products where present) and int8 (``torch._int_mm``, int32
+    sums: oneDNN's VNNI or AMX int8 kernels, w8a8's prefill products): the best over a few large
     shapes (m x n x k) of the median of 5 ``torch.mm`` calls after one, as the shape that suits the
     processor differs (on 2 AMX Xeon cores bfloat16 gave ~1.9 TFLOP/s at 4,096^3 and ~2.9 at
     2,048 x 4,096 x 1,024); run under the same ISA caps as the engines. ``dtypes``: comma-separated,
@@ -170,12 +173,17 @@ def gemm_peak_child(output_path: str, threads: int, dtypes: str) -> None:
     for dtype in (getattr(torch, name) for name in dtypes.split(",")):
         best = 0.0
         for m, n, k in ((4096, 4096, 4096), (2048, 4096, 1024), (2048, 3072, 576)):
-            a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-            torch.mm(a, b)
+            if dtype == torch.int8:
+                a, b = torch.randint(-127, 128, (m, k), dtype=dtype), torch.randint(-127, 128, (k, n), dtype=dtype)
+                mm = torch._int_mm
+            else:
+                a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+                mm = torch.mm
+            mm(a, b)
             times = []
             for _ in range(5):
                 t0 = time.perf_counter()
-                torch.mm(a, b)
+                mm(a, b)
                 times.append(time.perf_counter() - t0)
             best = max(best, 2 * m * n * k / statistics.median(times))
         peaks[str(dtype).removeprefix("torch.")] = best
@@ -358,7 +366,9 @@ SERVERS = {"vllm": "vllm serve", "vllm-bf16": "vllm serve --dtype bfloat16",
            "colocated-bf16-kv8": "pdserve colocated, bf16 weights, int8 KV cache",
            "colocated-p512": "pdserve colocated, --max-prefill-tokens 512", "1p1d": "pdserve 1 prefill + 1 decode",
            "1p1d-bf16-kv16": "pdserve 1 prefill + 1 decode, bf16 weights and KV cache",
-           "1p1d-bf16-kv8": "pdserve 1 prefill + 1 decode, bf16 weights, int8 KV cache"}
+           "1p1d-bf16-kv8": "pdserve 1 prefill + 1 decode, bf16 weights, int8 KV cache",
+           "colocated-w8a8-kv8": "pdserve colocated, w8a8_int8, int8 KV cache",
+           "1p1d-w8a8-kv8": "pdserve 1 prefill + 1 decode, w8a8_int8, int8 KV cache"}
 
 
 def serve_servers(args, port: int) -> dict[str, list[str]]:
@@ -396,6 +406,10 @@ def serve_servers(args, port: int) -> dict[str, list[str]]:
                                    "--kv-cache-dtype", "bfloat16"],
         "1p1d-bf16-kv8": lambda: [*pd("1p1d-bf16-kv8"), "--prefill", "1", "--decode", "1", "--quantization", "bf16",
                                   "--kv-cache-dtype", "int8"],
+        "colocated-w8a8-kv8": lambda: [*pd("colocated-w8a8-kv8"), "--prefill", "0", "--decode", "1",
+                                       "--quantization", "w8a8_int8", "--kv-cache-dtype", "int8"],
+        "1p1d-w8a8-kv8": lambda: [*pd("1p1d-w8a8-kv8"), "--prefill", "1", "--decode", "1", "--quantization",
+                                  "w8a8_int8", "--kv-cache-dtype", "int8"],
     }
     return {SERVERS[name]: (ports[name], commands[name]()) for name in names}
 
@@ -502,7 +516,9 @@ def main() -> int:
                         help="comma-separated pdserve variants: float32, bfloat16 (--dtype bfloat16: weights, "
                              "activations and KV cache), bf16 (--quantization bf16: bfloat16 weights in a float32 "
                              "model), bf16-kv16 (bf16 with --kv-cache-dtype bfloat16), bf16-kv8 (bf16 with "
-                             "--kv-cache-dtype int8) (default: float32)")
+                             "--kv-cache-dtype int8), w8a8 (--quantization w8a8_int8: int8 weights, prefill "
+                             "activations int8 per token), w8a8-kv8 (w8a8 with --kv-cache-dtype int8); all but "
+                             "float32 are set beside vLLM's bfloat16 run when there is one (default: float32)")
     parser.add_argument("--threads", type=int, default=2, help="threads per engine (default: 2)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each workload (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="prompt ids seed (default: 0)")

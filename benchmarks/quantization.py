@@ -47,7 +47,8 @@ PROMPTS = [
     "What does a CPU do?",
     "Describe a cat in five words.",
 ]
-QUANTIZATION = {"float": "none", "int8": "int8", "int4": "int4", "awq": "awq", "gguf": "gguf", "bf16": "bf16"}
+QUANTIZATION = {"float": "none", "int8": "int8", "w8a8": "w8a8_int8", "int4": "int4", "awq": "awq", "gguf": "gguf",
+                "bf16": "bf16"}
 
 
 # ---- one format, in a child process -------------------------------------------------------
@@ -235,8 +236,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="model spec (default: smollm2-135m-instruct)")
     p.add_argument("--formats", default="float,bf16,int8,int4,awq,int4/128,awq/128,gguf",
-                   help="comma-separated formats among float,bf16,int8,int4,awq,gguf, int4 and awq optionally with "
-                        "/GROUP; float first for the ratios and agreement against it (default: %(default)s)")
+                   help="comma-separated formats among float,bf16,int8,w8a8 (w8a8_int8),int4,awq,gguf, int4 and awq "
+                        "optionally with /GROUP; float first for the ratios and agreement against it "
+                        "(default: %(default)s)")
     p.add_argument("--group-size", type=int, default=32,
                    help="int4/awq group size where a format names none: 32, 64 or 128 (default: 32)")
     p.add_argument("--repeats", type=int, default=2, help="decode runs per batch size; the best counts (default: 2)")

@@ -84,6 +84,14 @@ def active_isa() -> str:
     return os.environ.get(ENV_ISA) or best_isa(cpu_flags())
 
 
+def int8_dot() -> bool:
+    """Whether this process's int8 matmuls (``torch._int_mm``) have dot-product instructions: AVX-512
+    VNNI (or AMX) on a processor that has them, oneDNN not capped below AVX-512. Without them torch's
+    CPU ``_int_mm`` is no kernel worth calling: ~3 GOP/s at 512 x 576 x 1536 on 2 AVX2 Zen 3 cores,
+    against ~50 GFLOP/s in float32; and capped at AVX2 on a VNNI processor oneDNN's kernels saturate."""
+    return ORDER.index(active_isa()) >= ORDER.index("avx512") and "avx512_vnni" in cpu_flags()
+
+
 @dataclass(frozen=True)
 class CpuPlan:
     """The ISA the engine computes with, and why."""
@@ -117,17 +125,21 @@ class CpuPlan:
         return ORDER.index(self.isa) >= ORDER.index("avx512_bf16")
 
     def describe(self) -> str:
+        from pdserve.engine.cpu_kernels import AMX_ROWS
+        from pdserve.engine.quant.formats import BF16Linear
+
         why = (f"the processor's best (flags: {', '.join(ISA_FLAGS[self.native]) or 'none of avx2/avx512'})"
                if self.requested == "auto" else f"--cpu-isa {self.requested} (the processor has {self.native})")
         paths = {"onednn": "float32 projections through oneDNN with packed weights",
                  "mkl": "float32 projections through MKL's SGEMM"}
         bf16 = "bfloat16 has dot products" if self.bf16_dot else "bfloat16 would be emulated (slow): keep float32"
         if self.isa == "amx":
-            bf16 += (" and AMX tiles (a bf16 model's prefill attention and its projections of up to 64 rows, where "
-                     "Linux lends them; PDSERVE_AMX_OFF=1 keeps them off)")
+            bf16 += (" and AMX tiles (a bf16 model's prefill attention and its projections of up to "
+                     f"{AMX_ROWS} rows, and on to where oneDNN overtakes, measured per shape, where Linux lends them; "
+                     "PDSERVE_AMX_OFF=1 keeps them off)")
         elif self.bf16_dot:
-            bf16 += (" (a bf16 model's projections from one row up to 32, and on to where oneDNN overtakes, measured "
-                     "per shape, through our vdpbf16ps kernel; PDSERVE_DP_OFF=1 keeps it off)")
+            bf16 += (f" (a bf16 model's projections from one row up to {BF16Linear.DP_ROWS}, and on to where oneDNN "
+                     "overtakes, measured per shape, through our vdpbf16ps kernel; PDSERVE_DP_OFF=1 keeps it off)")
         return (f"CPU ISA {self.isa}: {why}; {paths[self.linear_path]}, a few rows through the C kernels (how many: "
                 f"measured, cpu_measured); {bf16}")
 

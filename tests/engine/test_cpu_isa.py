@@ -11,6 +11,8 @@ import pytest
 
 from pdserve.configs import ConfigError
 from pdserve.engine.cpu_isa import ISA_FLAGS, best_isa, cpu_flags, select_isa
+from pdserve.engine.cpu_kernels import AMX_ROWS
+from pdserve.engine.quant.formats import BF16Linear
 
 ZEN3 = frozenset({"sse4_2", "avx", "avx2", "fma"})
 ZEN5 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
@@ -28,6 +30,8 @@ def test_auto_takes_the_processors_best_and_a_cap_below_it_is_kept():
     plan = select_isa("auto", ZEN5)
     assert (plan.isa, plan.bf16_dot) == ("avx512_bf16", True)
     assert "the processor's best" in plan.describe()
+    assert f"from one row up to {BF16Linear.DP_ROWS}," in plan.describe()  # the constant the layers use
+    assert f"up to {AMX_ROWS} rows" in select_isa("auto", ZEN5 | {"amx_tile", "amx_bf16"}).describe()
     capped = select_isa("avx2", ZEN5)
     assert (capped.isa, capped.native, capped.bf16_dot) == ("avx2", "avx512_bf16", False)
     assert "--cpu-isa avx2" in capped.describe() and "emulated" in capped.describe()

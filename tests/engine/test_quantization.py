@@ -6,6 +6,10 @@ leave ~1.5x room over what was measured on the development machines.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -14,19 +18,22 @@ import torch.nn.functional as F
 from pdserve.configs import ConfigError, from_dict
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from pdserve.engine.attention import PREFILL_PRODUCTS
+from pdserve.engine.cpu_isa import int8_dot as cpu_isa_int8_dot
 from pdserve.engine.cpu_kernels import load_kernels
 from pdserve.engine.loader import load_model
 from pdserve.engine.model import MLP, Attention, RMSNorm, onednn_linear
 from pdserve.engine.quant import QuantLinear, quantize_model, weight_bytes
-from pdserve.engine.quant.awq import full_forward, search_scale
+from pdserve.engine.quant.awq import full_forward, search_scale, smooth_scale
 from pdserve.engine.quant.formats import (
     Fp8Linear,
     Int4Linear,
     Int8Linear,
+    W8A8Linear,
     dequantize_fp8,
     int4_group_size,
     quantize_fp8,
     quantize_int4,
+    quantize_int8,
 )
 from pdserve.engine.quant.gguf_native import GGUFLinear
 from tests.conftest import assert_no_leaks, run_to_completion
@@ -52,6 +59,77 @@ def test_int8_linear_close_to_float(weight_and_input):
     assert rel_err(layer(x), F.linear(x, w)) < 0.015
     assert rel_err(layer.dequantize(), w) < 0.015
     assert layer(x).dtype == torch.float32 and layer(x[:1]).shape == (1, 256)
+
+
+@pytest.fixture
+def int8_dot(monkeypatch):
+    """W8A8Linear takes torch._int_mm even without VNNI (slow there, exact unless oneDNN saturates): the
+    arithmetic is checked on every processor."""
+    from pdserve.engine import cpu_isa
+
+    monkeypatch.setattr(cpu_isa, "int8_dot", lambda: True)
+
+
+def test_w8a8_many_rows_multiply_int8_activations_exactly_as_their_integers_do(weight_and_input, int8_dot):
+    """From MANY_ROWS rows each row of x is rounded to int8 with its own scale and the int32 sums are
+    scaled back: the same as multiplying the two dequantised int8 tensors in float64; fewer rows are
+    Int8Linear's products (the same module's weight)."""
+    w, _ = weight_and_input
+    x = torch.randn(W8A8Linear.MANY_ROWS + 5, 384, generator=torch.Generator().manual_seed(1))
+    x[3] *= 50  # a row of outliers keeps its own scale
+    layer = W8A8Linear(w)
+    if not layer.int_mm:
+        pytest.skip("this processor's int8 matmuls are not exact (no VNNI): every row takes Int8Linear's products")
+    xq, xs = quantize_int8(x)
+    wq, ws = quantize_int8(w)
+    want = (xq.double() * xs.double()[:, None]) @ (wq.double() * ws.double()[:, None]).t()
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (x.shape[0], 256)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    assert rel_err(got, F.linear(x, w)) < 0.02
+    few = x[: W8A8Linear.MANY_ROWS - 1]
+    int8 = Int8Linear(w)
+    assert torch.equal(layer(few), int8(few))
+    assert layer(x.reshape(1, *x.shape)).shape == (1, x.shape[0], 256)
+
+
+def test_w8a8_without_exact_int8_matmuls_keeps_the_weight_only_products(weight_and_input, monkeypatch):
+    """Where oneDNN's int8 kernels saturate (AVX2), every row count takes Int8Linear's products."""
+    from pdserve.engine.quant import formats
+
+    monkeypatch.setattr(formats, "_INT_MM_EXACT", {"cpu": False})
+    w, _ = weight_and_input
+    x = torch.randn(64, 384, generator=torch.Generator().manual_seed(2))
+    layer = W8A8Linear(w)
+    assert not layer.int_mm
+    assert torch.equal(layer(x), Int8Linear(w)(x))
+
+
+def test_w8a8_without_int8_dot_products_keeps_one_weight_and_the_weight_only_products(weight_and_input, monkeypatch):
+    """No AVX-512 VNNI (an AVX2 Zen 3, or oneDNN capped below it): torch's _int_mm is ~3 GOP/s there, so
+    every row count takes Int8Linear's products, and no second int8 copy of the weight is kept."""
+    from pdserve.engine import cpu_isa
+
+    monkeypatch.setattr(cpu_isa, "int8_dot", lambda: False)
+    w, _ = weight_and_input
+    x = torch.randn(64, 384, generator=torch.Generator().manual_seed(2))
+    layer = W8A8Linear(w)
+    assert not layer.int_mm and layer.mm_weight is None
+    assert torch.equal(layer(x), Int8Linear(w)(x))
+    monkeypatch.undo()
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "avx2")  # what the engine sets for --cpu-isa avx2
+    assert not cpu_isa.int8_dot()
+
+
+@pytest.mark.skipif(not cpu_isa_int8_dot(), reason="no AVX-512 VNNI here: nothing for oneDNN to saturate")
+def test_int8_matmul_exactness_probe_fails_on_saturating_kernels():
+    """The probe runs torch._int_mm on bytes at int8's ends; capped at AVX2, oneDNN pairs products in a
+    saturating int16 and the probe says so (a child process: the cap is read when oneDNN starts)."""
+    code = ("import torch; from pdserve.engine.quant.formats import int_mm_exact; "
+            "print(int_mm_exact(torch.device('cpu')))")
+    capped = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"},
+                            capture_output=True, text=True, check=True)
+    assert capped.stdout.strip() == "False" and "not exact" in capped.stderr
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 64])
@@ -296,6 +374,29 @@ def test_awq_beats_plain_int4_on_outlier_channels():
     assert e_awq < 0.8 * e_plain, (e_awq, e_plain)
 
 
+def test_smoothquant_beats_plain_w8a8_on_outlier_channels(int8_dot):
+    """Activations with a few channels 30x larger: per-token int8 rounds the rest to a few levels;
+    SmoothQuant's scales move the outliers into the weight's columns and lose less of the output."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(256, 512, generator=g) * 0.02
+    x = torch.randn(W8A8Linear.MANY_ROWS * 4, 512, generator=g)
+    x[:, torch.randperm(512, generator=g)[:8]] *= 30.0
+    plain = W8A8Linear(w)
+    if not plain.int_mm:
+        pytest.skip("no exact int8 matmuls here (no VNNI)")
+    s = smooth_scale(w, x)
+    smooth = W8A8Linear(w * s)
+    smooth.set_input_scale(1.0 / s)
+    want = F.linear(x, w)
+    e_plain, e_smooth = rel_err(plain(x), want), rel_err(smooth(x), want)
+    assert e_smooth < 0.6 * e_plain, (e_smooth, e_plain)
+    flat = torch.randn(64, 512, generator=g)  # the search never does worse than no scaling on what it saw
+    s = smooth_scale(w, flat)
+    smooth = W8A8Linear(w * s)
+    smooth.set_input_scale(1.0 / s)
+    assert rel_err(smooth(flat), F.linear(flat, w)) <= rel_err(plain(flat), F.linear(flat, w)) * 1.0001
+
+
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_fp8_quantize_dequantize_math(weight_and_input, per_channel):
     w, x = weight_and_input
@@ -425,7 +526,8 @@ def float_tiny():
     return load_model("random:tiny", progress=False, seed=3)
 
 
-@pytest.mark.parametrize("method,bound", [("int8", 0.015), ("int4", 0.16), ("awq", 0.16), ("bf16", 0.015)])
+@pytest.mark.parametrize("method,bound", [("int8", 0.015), ("w8a8_int8", 0.03), ("int4", 0.16), ("awq", 0.16),
+                                          ("bf16", 0.015)])
 def test_tiny_model_quantized_logits_close_to_float(float_tiny, method, bound):
     quant = load_model("random:tiny", progress=False, seed=3, quantization=method)
     layers = [m for m in quant.model.modules() if isinstance(m, QuantLinear)]
@@ -512,7 +614,7 @@ def test_a_bf16_models_attention_writes_its_output_in_bfloat16_for_the_o_project
     assert narrow == wide
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "awq"])
+@pytest.mark.parametrize("method", ["int8", "w8a8_int8", "int4", "awq"])
 def test_weight_only_methods_multiply_the_head_from_q8_0_blocks(float_tiny, method):
     """On CPU the head is Q8_0 blocks; the tied embedding looks up the same weights dequantised, and
     the head multiplies by that table past FEW_ROWS rows, so a row's logits do not depend on how many
@@ -536,7 +638,7 @@ def test_weight_only_methods_multiply_the_head_from_q8_0_blocks(float_tiny, meth
         assert torch.allclose(many, x @ head.dense.T, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["int4", "bf16"])
+@pytest.mark.parametrize("method", ["int4", "bf16", "w8a8_int8"])
 def test_quantized_model_serves_through_the_engine(float_tiny, method):
     """The paged engine path (batched decode, prefill) over a quantized model (bf16: bfloat16 weights,
     the tied embedding among them, under float32 activations and a float32 KV cache)."""
@@ -569,6 +671,22 @@ def test_awq_folds_scales_into_the_norms(float_tiny):
         linear.register_forward_pre_hook(lambda m, args, inv=inv: (args[0] * inv,))
     torch.testing.assert_close(full_forward(model, ids), want, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(model.layers[0].input_layernorm.weight, float_tiny.model.layers[0].input_layernorm.weight)
+
+
+def test_smoothquant_folds_scales_into_the_norms_and_w8a8_loads_smoothed(float_tiny, int8_dot):
+    """SmoothQuant's scales keep the float function as AWQ's do; a w8a8_int8 load carries o_proj's inverse."""
+    from pdserve.engine.quant.awq import apply_smoothquant
+
+    model = load_model("random:tiny", progress=False, seed=3).model
+    ids = torch.tensor(float_tiny.tokenizer.encode("Scales fold into the previous op. " * 3))
+    want = full_forward(model, ids)
+    runtime = apply_smoothquant(model, ids)
+    for name, inv in runtime.items():
+        model.get_submodule(name).register_forward_pre_hook(lambda m, args, inv=inv: (args[0] * inv,))
+    torch.testing.assert_close(full_forward(model, ids), want, rtol=1e-4, atol=1e-4)
+    quant = load_model("random:tiny", progress=False, seed=3, quantization="w8a8_int8").model
+    assert all(isinstance(layer.self_attn.o_proj, W8A8Linear) for layer in quant.layers)
+    assert quant.layers[0].self_attn.o_proj.input_scale is not None
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Weight-only quantization, chosen by ``EngineConfig.quantization`` (vLLM's ``--quantization``).
+"""Quantization (weight-only, and ``w8a8_int8``'s activations), chosen by ``EngineConfig.quantization``
+(vLLM's ``--quantization``).
 
 ``quantize_model`` swaps each decoder layer's projections (qkv, o, gate_up, down) for a
 quantized drop-in of ``model.Linear`` after the float model is loaded. The embedding stays float.
@@ -15,6 +16,7 @@ two int8 parts per 32 inputs (~15 bits), below 256 rows; the heads at every row 
 | method | what | module |
 |---|---|---|
 | ``int8`` | per-output-channel symmetric int8 | ``formats.Int8Linear`` |
+| ``w8a8_int8`` | ``int8``'s weights; prefill chunks' activations int8 per token (VNNI) | ``formats.W8A8Linear`` |
 | ``int4`` | 4-bit, one scale and zero per ``quantization_group_size`` inputs | ``formats.Int4Linear`` |
 | ``awq`` | int4 after AWQ's activation-aware input scaling, calibrated at load | ``awq`` + ``Int4Linear`` |
 | ``fp8`` | float8 e4m3 weights and activations (CUDA GPUs with FP8 only) | ``formats.Fp8Linear`` |
@@ -36,13 +38,15 @@ from pdserve.engine.quant.formats import (
     Int4Linear,
     Int8Linear,
     QuantLinear,
+    W8A8Linear,
     fp8_supported,
     int4_group_size,
+    int_mm_usable,
 )
 
 log = logging.getLogger(__name__)
 
-METHODS = ("none", "int8", "int4", "awq", "fp8", "gguf", "bf16")
+METHODS = ("none", "int8", "w8a8_int8", "int4", "awq", "fp8", "gguf", "bf16")
 LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 __all__ = ["METHODS", "QuantLinear", "check_quantization", "quantize_model", "weight_bytes"]
@@ -69,7 +73,8 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
                    tokenizer=None, calibration_ids: torch.Tensor | None = None) -> None:
     """Replace the decoder layers' float projections in place (see the module docstring).
 
-    AWQ calibrates on ``calibration_ids``, or on ``awq.CALIBRATION_TEXT`` through ``tokenizer``.
+    AWQ and w8a8_int8's SmoothQuant calibrate on ``calibration_ids``, or on ``awq.CALIBRATION_TEXT``
+    through ``tokenizer``.
     """
     if method == "none":
         return
@@ -109,20 +114,30 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
         return g
 
     input_scales = {}
-    if method == "awq":
-        from pdserve.engine.quant.awq import CALIBRATION_TEXT, apply_awq
+    int_mm = method == "w8a8_int8" and int_mm_usable(model.embed_tokens.weight.device)
+    smooth = int_mm and model.config.architecture == "llama"
+    if int_mm and not smooth:  # (the scales fold into Llama's norm layout only, as AWQ's)
+        log.info("w8a8_int8: a %s model is not smoothed (SmoothQuant's scales fold into Llama's norms)",
+                 model.config.architecture)
+    if method == "awq" or smooth:
+        from pdserve.engine.quant.awq import CALIBRATION_TEXT, apply_awq, apply_smoothquant
 
         if calibration_ids is None:
             ids = tokenizer.encode(CALIBRATION_TEXT)
             calibration_ids = torch.tensor(ids, dtype=torch.long) % model.config.vocab_size
         calibration_ids = calibration_ids.to(model.embed_tokens.weight.device)
-        input_scales = apply_awq(model, calibration_ids, group_of)
+        if method == "awq":
+            input_scales = apply_awq(model, calibration_ids, group_of)
+        else:
+            input_scales = apply_smoothquant(model, calibration_ids)
     for i in range(len(model.layers)):
         for suffix in LAYER_LINEARS:
             name = f"layers.{i}.{suffix}"
             weight = model.get_submodule(name).weight.detach()
             if method == "int8":
                 new = Int8Linear(weight)
+            elif method == "w8a8_int8":
+                new = W8A8Linear(weight)
             elif method in ("int4", "awq"):
                 new = Int4Linear(weight, group_of(weight.shape[1]))
             else:

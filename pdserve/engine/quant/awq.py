@@ -1,4 +1,5 @@
-"""AWQ (activation-aware weight quantization, Lin et al. 2023) for int4 weights.
+"""AWQ (activation-aware weight quantization, Lin et al. 2023) for int4 weights, and SmoothQuant's
+smoothing (Xiao et al. 2023) for ``w8a8_int8``: the same per-input-channel scales, chosen otherwise.
 
 A few input channels carry much larger activations than the rest; their weights matter more.
 AWQ scales each input channel of a weight by ``s = a ** alpha`` (``a``: the channel's mean
@@ -13,6 +14,11 @@ Where ``1 / s`` goes (no run-time cost except for o_proj)::
     post_attention_layernorm.weight / s_gu    -> gate_up_proj columns  * s_gu
     up rows of gate_up_proj         / s_down  -> down_proj columns     * s_down   (silu(g) * u is linear in u)
     the activation, at run time     * 1/s_o   -> o_proj columns        * s_o      (GQA: v rows cannot absorb it)
+
+SmoothQuant moves the activations' outlier channels into the weights, where int8's per-row scales
+absorb them, before both are rounded to int8 per row: ``s = max|x_j| ** a / max|W_j| ** (1 - a)``,
+``a`` searched on a grid per layer (no scaling among the candidates) for the smallest error of the
+w8a8 product on the calibration activations (``smooth_scale``).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.quant.formats import Int4Linear
+from pdserve.engine.quant.formats import Int4Linear, quantize_int8
 
 # The calibration text: mixed prose, dialogue, a list and code, so that the activations seen
 # cover the kinds of input a chat model serves. Written for this project.
@@ -99,27 +105,61 @@ def search_scale(weight: torch.Tensor, x: torch.Tensor, group: int, grid: int = 
     return best
 
 
+def _fake_int8_rows(t: torch.Tensor) -> torch.Tensor:
+    q, scale = quantize_int8(t)
+    return q.float() * scale[:, None]
+
+
+def smooth_scale(weight: torch.Tensor, x: torch.Tensor, grid: int = 10) -> torch.Tensor:
+    """SmoothQuant's per-input-channel scale ``s`` minimising ``|x W^T - Q(x / s) Q(W s)^T|`` with
+    ``Q`` w8a8's rounding (int8, one scale per row of each), ``s = 1`` among the candidates."""
+    w = weight.float()
+    ref = x @ w.t()
+    x_max, w_max = x.abs().amax(0).clamp(min=1e-5), w.abs().amax(0).clamp(min=1e-5)
+    best = torch.ones_like(x_max)
+    best_err = (_fake_int8_rows(x) @ _fake_int8_rows(w).t() - ref).pow(2).mean().item()
+    for i in range(grid + 1):
+        a = i / grid
+        s = x_max.pow(a) / w_max.pow(1 - a)
+        s = s / (s.max() * s.min()).sqrt()
+        err = (_fake_int8_rows(x / s) @ _fake_int8_rows(w * s).t() - ref).pow(2).mean().item()
+        if err < best_err:
+            best_err, best = err, s
+    return best
+
+
 @torch.inference_mode()
 def apply_awq(model, calibration_ids: torch.Tensor, group_of) -> dict[str, torch.Tensor]:
     """Scale the float model's weights in place (see the module docstring); returns o_proj's ``1/s``
     per layer (the scales no previous op absorbs). ``group_of(in_features)`` is the group size used."""
+    return apply_input_scales(model, calibration_ids, lambda w, x: search_scale(w, x, group_of(w.shape[1])))
+
+
+@torch.inference_mode()
+def apply_smoothquant(model, calibration_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``apply_awq`` with SmoothQuant's scales (``smooth_scale``), for int8 weights and activations."""
+    return apply_input_scales(model, calibration_ids, smooth_scale)
+
+
+@torch.inference_mode()
+def apply_input_scales(model, calibration_ids: torch.Tensor, search) -> dict[str, torch.Tensor]:
+    """Fold ``search(weight, inputs)``'s per-input-channel scales into the float model's weights in place
+    (see the module docstring); returns o_proj's ``1/s`` per layer (the scales no previous op absorbs)."""
     inputs = collect_inputs(model, calibration_ids)
     runtime = {}
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        s = search_scale(attn.qkv_proj.weight, inputs[p + "self_attn.qkv_proj"],
-                         group_of(attn.qkv_proj.weight.shape[1]))
+        s = search(attn.qkv_proj.weight, inputs[p + "self_attn.qkv_proj"])
         layer.input_layernorm.weight.div_(s)
         attn.qkv_proj.weight.mul_(s)
-        s = search_scale(attn.o_proj.weight, inputs[p + "self_attn.o_proj"], group_of(attn.o_proj.weight.shape[1]))
+        s = search(attn.o_proj.weight, inputs[p + "self_attn.o_proj"])
         attn.o_proj.weight.mul_(s)
         runtime[p + "self_attn.o_proj"] = 1.0 / s
-        s = search_scale(mlp.gate_up_proj.weight, inputs[p + "mlp.gate_up_proj"],
-                         group_of(mlp.gate_up_proj.weight.shape[1]))
+        s = search(mlp.gate_up_proj.weight, inputs[p + "mlp.gate_up_proj"])
         layer.post_attention_layernorm.weight.div_(s)
         mlp.gate_up_proj.weight.mul_(s)
-        s = search_scale(mlp.down_proj.weight, inputs[p + "mlp.down_proj"], group_of(mlp.down_proj.weight.shape[1]))
+        s = search(mlp.down_proj.weight, inputs[p + "mlp.down_proj"])
         mlp.gate_up_proj.weight[mlp.intermediate :].div_(s[:, None])
         mlp.down_proj.weight.mul_(s)
     return runtime

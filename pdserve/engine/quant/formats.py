@@ -6,6 +6,7 @@ shape and dtype as ``model.Linear``:
 | class | weight | matmul |
 |---|---|---|
 | ``Int8Linear`` | int8, one symmetric scale per output row | ``aten._weight_int8pack_mm`` |
+| ``W8A8Linear`` | int8 as ``Int8Linear``, activations int8 per row from 32 rows | ``torch._int_mm`` |
 | ``Int4Linear`` | 4-bit, asymmetric per group of ``group_size`` inputs | ``aten._weight_int4pack_mm_for_cpu`` |
 | ``Fp8Linear`` | float8 e4m3, per-tensor or per-row scale | ``torch._scaled_mm`` (CUDA, FP8 GPUs only) |
 | ``BF16Linear`` | bfloat16 (float32 activations) | C kernels (1-4 rows), oneDNN bfloat16 with a packed weight |
@@ -138,6 +139,80 @@ class Int8Linear(QuantLinear):
         if self.use_kernel:
             return self._kernel(x.contiguous()).to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype))
+
+
+class W8A8Linear(Int8Linear):
+    """int8 weights and, from ``MANY_ROWS`` rows (prefill chunks), int8 activations: each row of x
+    rounded to int8 with its own symmetric scale per matmul (vLLM's dynamic per-token W8A8, SGLang's
+    ``w8a8_int8``), multiplied in int32 by ``torch._int_mm`` (oneDNN: VNNI's ``vpdpbusd``, AMX's int8
+    tiles) and scaled back by the row's and the output channel's scales. Twice bfloat16's products
+    per instruction where the processor has VNNI; fewer rows (decode, bound by streaming the weight)
+    take ``Int8Linear``'s products, x kept to ~15 bits.
+
+    Where the CPU has no int8 dot products (``cpu_isa.int8_dot``: no AVX-512 VNNI, where torch's
+    ``_int_mm`` measured ~3 GOP/s) or the int8 kernels are not exact (oneDNN capped at AVX2 pairs two
+    byte products in a saturating int16, ``vpmaddubsw``: off by up to ~138,000 on full-range bytes),
+    the layer keeps ``Int8Linear``'s products at every row count and says so once (``int_mm_usable``)."""
+
+    MANY_ROWS = 32
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__(weight)
+        self.int_mm = int_mm_usable(weight.device)
+        q, scale = quantize_int8(weight) if self.int_mm else (None, None)  # a second copy only where it is used
+        self.register_buffer("mm_weight", None if q is None else q.contiguous())  # [out, in]; .t(): _int_mm's mat2
+        self.register_buffer("mm_scale", None if scale is None else scale.float())
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if not self.int_mm or rows.shape[0] < self.MANY_ROWS:
+            return super().matmul(x)
+        xq, x_scale = quantize_int8(rows)
+        out = torch._int_mm(xq, self.mm_weight.t()).float().mul_(x_scale[:, None]).mul_(self.mm_scale)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+_INT_MM_EXACT: dict[str, bool] = {}
+_INT_MM_SLOW_SAID = []
+
+
+def int_mm_usable(device: torch.device) -> bool:
+    """Whether ``W8A8Linear`` multiplies int8 activations on ``device``: int8 dot products (a CPU's
+    VNNI, any CUDA device) and exact sums (``int_mm_exact``)."""
+    if device.type == "cpu":
+        from pdserve.engine.cpu_isa import int8_dot
+
+        if not int8_dot():
+            if not _INT_MM_SLOW_SAID:
+                _INT_MM_SLOW_SAID.append(True)
+                log.warning("w8a8_int8: no int8 dot products on this CPU (AVX-512 VNNI) or oneDNN capped below "
+                            "them: activations stay ~15 bits, the int8 weight-only products, at every row count")
+            return False
+    return int_mm_exact(device)
+
+
+def int_mm_exact(device: torch.device) -> bool:
+    """Whether ``torch._int_mm`` gives exact int32 sums on ``device`` for bytes at the ends of int8's
+    range (it does on VNNI and AMX; AVX2's kernels saturate), checked once per device kind."""
+    if device.type not in _INT_MM_EXACT:
+        k = 256
+        x = torch.full((MANY_ROWS_PROBE, k), -127, dtype=torch.int8, device=device)
+        w = torch.full((64, k), 127, dtype=torch.int8, device=device)
+        x[::2] = 127
+        try:
+            got = torch._int_mm(x, w.t())
+            exact = bool((got == (x[:, :1].int() * 127 * k)).all())
+        except (RuntimeError, NotImplementedError) as e:
+            log.info("w8a8_int8: no int8 matmul here (%s)", e)
+            exact = False
+        if not exact:
+            log.warning("w8a8_int8: this processor's int8 matmuls are not exact (no VNNI: saturating pair "
+                        "products); activations stay ~15 bits, the int8 weight-only products, at every row count")
+        _INT_MM_EXACT[device.type] = exact
+    return _INT_MM_EXACT[device.type]
+
+
+MANY_ROWS_PROBE = 32  # (CUDA's _int_mm wants more than 16 rows)
 
 
 # ---- int4 ---------------------------------------------------------------------------------
