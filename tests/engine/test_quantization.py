@@ -25,6 +25,7 @@ from pdserve.engine.model import MLP, Attention, RMSNorm, onednn_linear
 from pdserve.engine.quant import QuantLinear, quantize_model, weight_bytes
 from pdserve.engine.quant.awq import full_forward, search_scale, smooth_scale
 from pdserve.engine.quant.formats import (
+    QLINEAR_WEIGHT_LEVELS,
     Fp8Linear,
     Int4Linear,
     Int8Linear,
@@ -61,75 +62,96 @@ def test_int8_linear_close_to_float(weight_and_input):
     assert layer(x).dtype == torch.float32 and layer(x[:1]).shape == (1, 256)
 
 
-@pytest.fixture
-def int8_dot(monkeypatch):
-    """W8A8Linear takes torch._int_mm even without VNNI (slow there, exact unless oneDNN saturates): the
-    arithmetic is checked on every processor."""
-    from pdserve.engine import cpu_isa
+@pytest.fixture(params=["int_mm", "qlinear"])
+def w8a8_kernel(request, monkeypatch):
+    """W8A8Linear through each int8 kernel that is exact here (torch._int_mm is slow without VNNI, but
+    exact unless oneDNN saturates): the arithmetic is checked on every processor."""
+    from pdserve.engine.quant import formats
 
-    monkeypatch.setattr(cpu_isa, "int8_dot", lambda: True)
+    exact = formats.int_mm_exact(torch.device("cpu")) if request.param == "int_mm" else formats.qlinear_exact()
+    if not exact:
+        pytest.skip(f"{request.param} is not exact on this processor")
+    monkeypatch.setattr(formats, "_INT8_MATMULS", {"cpu": request.param})
+    return request.param
 
 
-def test_w8a8_many_rows_multiply_int8_activations_exactly_as_their_integers_do(weight_and_input, int8_dot):
+def test_w8a8_many_rows_multiply_int8_activations_exactly_as_their_integers_do(weight_and_input, w8a8_kernel):
     """From MANY_ROWS rows each row of x is rounded to int8 with its own scale and the int32 sums are
-    scaled back: the same as multiplying the two dequantised int8 tensors in float64; fewer rows are
-    Int8Linear's products (the same module's weight)."""
+    scaled back: the same as multiplying the two dequantised tensors in float64 (the weight's copy at
+    8 bits for _int_mm, 7 for oneDNN's qlinear); fewer rows are Int8Linear's products."""
     w, _ = weight_and_input
     x = torch.randn(W8A8Linear.MANY_ROWS + 5, 384, generator=torch.Generator().manual_seed(1))
     x[3] *= 50  # a row of outliers keeps its own scale
     layer = W8A8Linear(w)
-    if not layer.int_mm:
-        pytest.skip("this processor's int8 matmuls are not exact (no VNNI): every row takes Int8Linear's products")
+    assert layer.kernel == w8a8_kernel
     xq, xs = quantize_int8(x)
-    wq, ws = quantize_int8(w)
+    wq, ws = quantize_int8(w, 127 if w8a8_kernel == "int_mm" else QLINEAR_WEIGHT_LEVELS)
     want = (xq.double() * xs.double()[:, None]) @ (wq.double() * ws.double()[:, None]).t()
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (x.shape[0], 256)
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
-    assert rel_err(got, F.linear(x, w)) < 0.02
+    assert rel_err(got, F.linear(x, w)) < (0.02 if w8a8_kernel == "int_mm" else 0.03)
     few = x[: W8A8Linear.MANY_ROWS - 1]
     int8 = Int8Linear(w)
     assert torch.equal(layer(few), int8(few))
     assert layer(x.reshape(1, *x.shape)).shape == (1, x.shape[0], 256)
 
 
-def test_w8a8_without_exact_int8_matmuls_keeps_the_weight_only_products(weight_and_input, monkeypatch):
-    """Where oneDNN's int8 kernels saturate (AVX2), every row count takes Int8Linear's products."""
+def test_w8a8_without_an_exact_int8_matmul_keeps_one_weight_and_the_weight_only_products(weight_and_input,
+                                                                                      monkeypatch):
+    """No exact int8 kernel: every row count takes Int8Linear's products, no second copy of the weight."""
     from pdserve.engine.quant import formats
 
-    monkeypatch.setattr(formats, "_INT_MM_EXACT", {"cpu": False})
-    w, _ = weight_and_input
-    x = torch.randn(64, 384, generator=torch.Generator().manual_seed(2))
-    layer = W8A8Linear(w)
-    assert not layer.int_mm
-    assert torch.equal(layer(x), Int8Linear(w)(x))
-
-
-def test_w8a8_without_int8_dot_products_keeps_one_weight_and_the_weight_only_products(weight_and_input, monkeypatch):
-    """No AVX-512 VNNI (an AVX2 Zen 3, or oneDNN capped below it): torch's _int_mm is ~3 GOP/s there, so
-    every row count takes Int8Linear's products, and no second int8 copy of the weight is kept."""
-    from pdserve.engine import cpu_isa
-
-    monkeypatch.setattr(cpu_isa, "int8_dot", lambda: False)
+    monkeypatch.setattr(formats, "_INT8_MATMULS", {"cpu": None})
     w, _ = weight_and_input
     x = torch.randn(64, 384, generator=torch.Generator().manual_seed(2))
     layer = W8A8Linear(w)
     assert not layer.int_mm and layer.mm_weight is None
     assert torch.equal(layer(x), Int8Linear(w)(x))
+
+
+def test_w8a8_kernel_choice_follows_the_processor(monkeypatch):
+    """VNNI: _int_mm; AVX2 without it: oneDNN's qlinear (torch's _int_mm is ~3 GOP/s there); below
+    AVX2 (--cpu-isa baseline): none. Each choice made once per device kind."""
+    from pdserve.engine import cpu_isa
+    from pdserve.engine.quant import formats
+
+    for vnni, isa, want in ((True, "avx512", "int_mm"), (False, "avx2", "qlinear"), (False, "baseline", None)):
+        monkeypatch.setattr(formats, "_INT8_MATMULS", {})
+        monkeypatch.setattr(cpu_isa, "int8_dot", lambda vnni=vnni: vnni)
+        monkeypatch.setenv("PDSERVE_CPU_ISA", isa)
+        monkeypatch.setattr(formats, "int_mm_exact", lambda device: True)
+        monkeypatch.setattr(formats, "qlinear_exact", lambda: True)
+        assert formats.int8_matmuls(torch.device("cpu")) == want
+        assert formats._INT8_MATMULS == {"cpu": want}
     monkeypatch.undo()
     monkeypatch.setenv("PDSERVE_CPU_ISA", "avx2")  # what the engine sets for --cpu-isa avx2
     assert not cpu_isa.int8_dot()
 
 
+@pytest.mark.skipif(cpu_isa_int8_dot(), reason="VNNI's vpdpbusd adds byte products without saturating")
+def test_qlinear_saturates_with_8_bit_weights_and_is_exact_with_7():
+    """Without VNNI oneDNN's qlinear pairs unsigned-times-signed byte products in a saturating int16:
+    why W8A8Linear rounds its copy of the weight to 7 bits for it."""
+    from pdserve.engine.quant.formats import _qlinear, qlinear_exact
+
+    x = torch.full((32, 256), 127, dtype=torch.int8)  # 255 as the kernel's unsigned bytes
+    w8 = torch.full((64, 256), 127, dtype=torch.int8)
+    got = _qlinear(x, torch.ops.onednn.qlinear_prepack(w8, None), torch.ones(64), torch.zeros(64, dtype=torch.int64))
+    assert not torch.equal(got.double(), torch.full((32, 64), 127.0 * 127 * 256, dtype=torch.float64))
+    assert qlinear_exact()
+
+
 @pytest.mark.skipif(not cpu_isa_int8_dot(), reason="no AVX-512 VNNI here: nothing for oneDNN to saturate")
 def test_int8_matmul_exactness_probe_fails_on_saturating_kernels():
     """The probe runs torch._int_mm on bytes at int8's ends; capped at AVX2, oneDNN pairs products in a
-    saturating int16 and the probe says so (a child process: the cap is read when oneDNN starts)."""
-    code = ("import torch; from pdserve.engine.quant.formats import int_mm_exact; "
-            "print(int_mm_exact(torch.device('cpu')))")
+    saturating int16, the probe says so and the layers take oneDNN's qlinear with 7-bit weights (a
+    child process: the cap is read when oneDNN starts)."""
+    code = ("import torch; from pdserve.engine.quant.formats import int_mm_exact, int8_matmuls; "
+            "print(int_mm_exact(torch.device('cpu')), int8_matmuls(torch.device('cpu')))")
     capped = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"},
                             capture_output=True, text=True, check=True)
-    assert capped.stdout.strip() == "False" and "not exact" in capped.stderr
+    assert capped.stdout.split() == ["False", "qlinear"]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 64])
@@ -374,7 +396,7 @@ def test_awq_beats_plain_int4_on_outlier_channels():
     assert e_awq < 0.8 * e_plain, (e_awq, e_plain)
 
 
-def test_smoothquant_beats_plain_w8a8_on_outlier_channels(int8_dot):
+def test_smoothquant_beats_plain_w8a8_on_outlier_channels(w8a8_kernel):
     """Activations with a few channels 30x larger: per-token int8 rounds the rest to a few levels;
     SmoothQuant's scales move the outliers into the weight's columns and lose less of the output."""
     g = torch.Generator().manual_seed(1)
@@ -382,16 +404,15 @@ def test_smoothquant_beats_plain_w8a8_on_outlier_channels(int8_dot):
     x = torch.randn(W8A8Linear.MANY_ROWS * 4, 512, generator=g)
     x[:, torch.randperm(512, generator=g)[:8]] *= 30.0
     plain = W8A8Linear(w)
-    if not plain.int_mm:
-        pytest.skip("no exact int8 matmuls here (no VNNI)")
-    s = smooth_scale(w, x)
+    levels = 127 if w8a8_kernel == "int_mm" else QLINEAR_WEIGHT_LEVELS  # the weight's copy the kernel takes
+    s = smooth_scale(w, x, weight_levels=levels)
     smooth = W8A8Linear(w * s)
     smooth.set_input_scale(1.0 / s)
     want = F.linear(x, w)
     e_plain, e_smooth = rel_err(plain(x), want), rel_err(smooth(x), want)
     assert e_smooth < 0.6 * e_plain, (e_smooth, e_plain)
     flat = torch.randn(64, 512, generator=g)  # the search never does worse than no scaling on what it saw
-    s = smooth_scale(w, flat)
+    s = smooth_scale(w, flat, weight_levels=levels)
     smooth = W8A8Linear(w * s)
     smooth.set_input_scale(1.0 / s)
     assert rel_err(smooth(flat), F.linear(flat, w)) <= rel_err(plain(flat), F.linear(flat, w)) * 1.0001
@@ -673,7 +694,7 @@ def test_awq_folds_scales_into_the_norms(float_tiny):
     assert not torch.allclose(model.layers[0].input_layernorm.weight, float_tiny.model.layers[0].input_layernorm.weight)
 
 
-def test_smoothquant_folds_scales_into_the_norms_and_w8a8_loads_smoothed(float_tiny, int8_dot):
+def test_smoothquant_folds_scales_into_the_norms_and_w8a8_loads_smoothed(float_tiny, w8a8_kernel):
     """SmoothQuant's scales keep the float function as AWQ's do; a w8a8_int8 load carries o_proj's inverse."""
     from pdserve.engine.quant.awq import apply_smoothquant
 

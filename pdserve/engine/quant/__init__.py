@@ -33,6 +33,7 @@ import torch
 
 from pdserve.configs import ConfigError
 from pdserve.engine.quant.formats import (
+    QLINEAR_WEIGHT_LEVELS,
     BF16Linear,
     Fp8Linear,
     Int4Linear,
@@ -41,7 +42,7 @@ from pdserve.engine.quant.formats import (
     W8A8Linear,
     fp8_supported,
     int4_group_size,
-    int_mm_usable,
+    int8_matmuls,
 )
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
         return g
 
     input_scales = {}
-    int_mm = method == "w8a8_int8" and int_mm_usable(model.embed_tokens.weight.device)
+    int_mm = method == "w8a8_int8" and int8_matmuls(model.embed_tokens.weight.device) is not None
     smooth = int_mm and model.config.architecture == "llama"
     if int_mm and not smooth:  # (the scales fold into Llama's norm layout only, as AWQ's)
         log.info("w8a8_int8: a %s model is not smoothed (SmoothQuant's scales fold into Llama's norms)",
@@ -129,7 +130,8 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
         if method == "awq":
             input_scales = apply_awq(model, calibration_ids, group_of)
         else:
-            input_scales = apply_smoothquant(model, calibration_ids)
+            levels = QLINEAR_WEIGHT_LEVELS if int8_matmuls(calibration_ids.device) == "qlinear" else 127
+            input_scales = apply_smoothquant(model, calibration_ids, levels)
     for i in range(len(model.layers)):
         for suffix in LAYER_LINEARS:
             name = f"layers.{i}.{suffix}"
@@ -163,11 +165,12 @@ def _swap(model, name: str, new: torch.nn.Module) -> None:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of every parameter and buffer that holds weights (a tied tensor once; RoPE's table excluded)."""
+    """Bytes of every parameter and buffer that holds weights (a tied tensor once; RoPE's table excluded),
+    and of the copies modules keep in oneDNN's opaque layouts (``packed_bytes``)."""
     seen, total = set(), 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.startswith("rope.") or t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
-    return total
+    return total + sum(getattr(m, "packed_bytes", 0) for m in model.modules())

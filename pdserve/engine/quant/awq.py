@@ -105,24 +105,33 @@ def search_scale(weight: torch.Tensor, x: torch.Tensor, group: int, grid: int = 
     return best
 
 
-def _fake_int8_rows(t: torch.Tensor) -> torch.Tensor:
-    q, scale = quantize_int8(t)
+def _fake_int8_rows(t: torch.Tensor, levels: int = 127) -> torch.Tensor:
+    q, scale = quantize_int8(t, levels)
     return q.float() * scale[:, None]
 
 
-def smooth_scale(weight: torch.Tensor, x: torch.Tensor, grid: int = 10) -> torch.Tensor:
+def smooth_scale(weight: torch.Tensor, x: torch.Tensor, grid: int = 4, weight_levels: int = 127,
+                 rows: int = 128) -> torch.Tensor:
     """SmoothQuant's per-input-channel scale ``s`` minimising ``|x W^T - Q(x / s) Q(W s)^T|`` with
-    ``Q`` w8a8's rounding (int8, one scale per row of each), ``s = 1`` among the candidates."""
+    ``Q`` w8a8's rounding (int8, one scale per row of each; the weight to ``weight_levels``, 63 for
+    the 7-bit copy of oneDNN's qlinear), ``s = 1`` among the candidates: ``s = max|x|^a / max|W|^(1-a)``
+    for ``a`` in ``grid + 1`` steps from 0 to 1, the error measured on ``rows`` of x spread over it
+    (the maxima over all of them). The defaults, measured on the default model with 7-bit weights
+    (AVX2's qlinear; perplexity over 1,023 tokens, float32 19.743): grid 10 over all 297 calibration
+    rows 20.485, grid 5 over 128 rows 20.610, grid 4 over 128 19.793 (over 64: 19.767), grid 2
+    20.292, no smoothing 22.787; the search is layer by layer, so a finer grid is not a better model."""
     w = weight.float()
-    ref = x @ w.t()
     x_max, w_max = x.abs().amax(0).clamp(min=1e-5), w.abs().amax(0).clamp(min=1e-5)
+    if rows and x.shape[0] > rows:
+        x = x[torch.linspace(0, x.shape[0] - 1, rows).long()]
+    ref = x @ w.t()
     best = torch.ones_like(x_max)
-    best_err = (_fake_int8_rows(x) @ _fake_int8_rows(w).t() - ref).pow(2).mean().item()
+    best_err = (_fake_int8_rows(x) @ _fake_int8_rows(w, weight_levels).t() - ref).pow(2).mean().item()
     for i in range(grid + 1):
         a = i / grid
         s = x_max.pow(a) / w_max.pow(1 - a)
         s = s / (s.max() * s.min()).sqrt()
-        err = (_fake_int8_rows(x / s) @ _fake_int8_rows(w * s).t() - ref).pow(2).mean().item()
+        err = (_fake_int8_rows(x / s) @ _fake_int8_rows(w * s, weight_levels).t() - ref).pow(2).mean().item()
         if err < best_err:
             best_err, best = err, s
     return best
@@ -136,9 +145,10 @@ def apply_awq(model, calibration_ids: torch.Tensor, group_of) -> dict[str, torch
 
 
 @torch.inference_mode()
-def apply_smoothquant(model, calibration_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+def apply_smoothquant(model, calibration_ids: torch.Tensor, weight_levels: int = 127) -> dict[str, torch.Tensor]:
     """``apply_awq`` with SmoothQuant's scales (``smooth_scale``), for int8 weights and activations."""
-    return apply_input_scales(model, calibration_ids, smooth_scale)
+    return apply_input_scales(model, calibration_ids,
+                              lambda w, x: smooth_scale(w, x, weight_levels=weight_levels))
 
 
 @torch.inference_mode()

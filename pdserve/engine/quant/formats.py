@@ -93,10 +93,10 @@ def _try_kernel(layer: QuantLinear, fn, weight: torch.Tensor) -> bool:
 # ---- int8 ---------------------------------------------------------------------------------
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-row symmetric int8: ``w ~ q * scale[:, None]``, q in [-127, 127]."""
-    scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+def quantize_int8(w: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-row symmetric int8: ``w ~ q * scale[:, None]``, q in [-levels, levels]."""
+    scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / float(levels)
+    q = torch.round(w.float() / scale[:, None]).clamp_(-levels, levels).to(torch.int8)
     return q, scale
 
 
@@ -144,72 +144,131 @@ class Int8Linear(QuantLinear):
 class W8A8Linear(Int8Linear):
     """int8 weights and, from ``MANY_ROWS`` rows (prefill chunks), int8 activations: each row of x
     rounded to int8 with its own symmetric scale per matmul (vLLM's dynamic per-token W8A8, SGLang's
-    ``w8a8_int8``), multiplied in int32 by ``torch._int_mm`` (oneDNN: VNNI's ``vpdpbusd``, AMX's int8
-    tiles) and scaled back by the row's and the output channel's scales. Twice bfloat16's products
-    per instruction where the processor has VNNI; fewer rows (decode, bound by streaming the weight)
-    take ``Int8Linear``'s products, x kept to ~15 bits.
+    ``w8a8_int8``), multiplied in int32 and scaled back by the row's and the output channel's scales.
+    Fewer rows (decode, bound by streaming the weight) take ``Int8Linear``'s products, x kept to ~15
+    bits. The int32 products come from one of two kernels (``int8_matmuls``):
 
-    Where the CPU has no int8 dot products (``cpu_isa.int8_dot``: no AVX-512 VNNI, where torch's
-    ``_int_mm`` measured ~3 GOP/s) or the int8 kernels are not exact (oneDNN capped at AVX2 pairs two
-    byte products in a saturating int16, ``vpmaddubsw``: off by up to ~138,000 on full-range bytes),
-    the layer keeps ``Int8Linear``'s products at every row count and says so once (``int_mm_usable``)."""
+    - ``int_mm``: ``torch._int_mm`` (oneDNN: VNNI's ``vpdpbusd``, AMX's int8 tiles; CUDA), with the
+      same 8-bit weights as the decode products, where the CPU has AVX-512 VNNI;
+    - ``qlinear``: oneDNN's quantized inner product (``onednn::qlinear_pointwise``, the kernels of
+      torch's x86 quantization) on AVX2 without VNNI. Its ``vpmaddubsw`` adds two products of an
+      unsigned and a signed byte in a saturating int16, so the activations go in as unsigned bytes
+      (``q + 128``, the zero point 128) and the weight's copy for it is rounded to 7 bits ([-63, 63],
+      its own per-row scale): 2 x 255 x 63 < 32,767, no pair saturates, the sums are exact. (With
+      8-bit weights: off by up to ~135,000.) 2.5-2.8x float32's rate at 512 x 576 x 1536 on 2 AVX2
+      Zen 3 cores.
+
+    Without either (no exact kernel, a CPU below AVX2) the layer keeps ``Int8Linear``'s products at
+    every row count, one weight copy, and says so once."""
 
     MANY_ROWS = 32
 
     def __init__(self, weight: torch.Tensor):
         super().__init__(weight)
-        self.int_mm = int_mm_usable(weight.device)
-        q, scale = quantize_int8(weight) if self.int_mm else (None, None)  # a second copy only where it is used
-        self.register_buffer("mm_weight", None if q is None else q.contiguous())  # [out, in]; .t(): _int_mm's mat2
+        self.kernel = int8_matmuls(weight.device)
+        self.int_mm = self.kernel is not None  # int8 activations at all
+        self.packed_bytes = 0  # held outside the buffers (oneDNN's opaque layout): for weight_bytes
+        q, scale = (None, None) if self.kernel is None else quantize_int8(
+            weight, 127 if self.kernel == "int_mm" else QLINEAR_WEIGHT_LEVELS)  # a second copy only where used
         self.register_buffer("mm_scale", None if scale is None else scale.float())
+        if self.kernel == "qlinear":
+            self.mm_weight = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
+            self.packed_bytes = q.numel()
+            self._zero_points = torch.zeros(self.out_features, dtype=torch.int64)
+        else:  # [out, in]; .t() is _int_mm's column-major mat2
+            self.register_buffer("mm_weight", None if q is None else q.contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if not self.int_mm or rows.shape[0] < self.MANY_ROWS:
+        if self.kernel is None or rows.shape[0] < self.MANY_ROWS:
             return super().matmul(x)
         xq, x_scale = quantize_int8(rows)
-        out = torch._int_mm(xq, self.mm_weight.t()).float().mul_(x_scale[:, None]).mul_(self.mm_scale)
+        if self.kernel == "int_mm":
+            out = torch._int_mm(xq, self.mm_weight.t()).float().mul_(self.mm_scale)
+        else:
+            out = _qlinear(xq, self.mm_weight, self.mm_scale, self._zero_points)
+        out.mul_(x_scale[:, None])
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-_INT_MM_EXACT: dict[str, bool] = {}
-_INT_MM_SLOW_SAID = []
+QLINEAR_WEIGHT_LEVELS = 63  # the qlinear kernel's weights: 7 bits, so no byte pair saturates (W8A8Linear)
 
 
-def int_mm_usable(device: torch.device) -> bool:
-    """Whether ``W8A8Linear`` multiplies int8 activations on ``device``: int8 dot products (a CPU's
-    VNNI, any CUDA device) and exact sums (``int_mm_exact``)."""
-    if device.type == "cpu":
-        from pdserve.engine.cpu_isa import int8_dot
+def _qlinear(xq: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, w_zero: torch.Tensor) -> torch.Tensor:
+    """float32 ``sum_k xq[m, k] * w[n, k] * w_scale[n]`` through oneDNN's u8 x s8 inner product: ``xq``
+    (int8) goes in as ``xq + 128`` with the zero point 128 (oneDNN takes 128 x the weight's row sums
+    off in int32)."""
+    return torch.ops.onednn.qlinear_pointwise(xq.view(torch.uint8) ^ 0x80, 1.0, 128, packed, w_scale, w_zero,
+                                              None, 1.0, 0, torch.float32, "none", [], "")
 
-        if not int8_dot():
-            if not _INT_MM_SLOW_SAID:
-                _INT_MM_SLOW_SAID.append(True)
-                log.warning("w8a8_int8: no int8 dot products on this CPU (AVX-512 VNNI) or oneDNN capped below "
-                            "them: activations stay ~15 bits, the int8 weight-only products, at every row count")
-            return False
-    return int_mm_exact(device)
+
+_INT8_MATMULS: dict[str, str | None] = {}
+
+
+def int8_matmuls(device: torch.device) -> str | None:
+    """Which exact int8 kernel ``W8A8Linear`` multiplies activations with on ``device`` (its
+    docstring): ``"int_mm"``, ``"qlinear"``, or None; probed once per device kind, said once."""
+    if device.type in _INT8_MATMULS:
+        return _INT8_MATMULS[device.type]
+    kernel = None
+    if device.type != "cpu":
+        kernel = "int_mm" if int_mm_exact(device) else None
+    else:
+        from pdserve.engine.cpu_isa import ORDER, active_isa, int8_dot
+
+        if int8_dot() and int_mm_exact(device):
+            kernel = "int_mm"
+        elif ORDER.index(active_isa()) >= ORDER.index("avx2") and qlinear_exact():
+            kernel = "qlinear"
+    if kernel is None:
+        log.warning("w8a8_int8: no exact int8 matmul on this %s: activations stay ~15 bits, the int8 "
+                    "weight-only products, at every row count", device.type)
+    else:
+        log.info("w8a8_int8: prefill activations int8 through %s", {
+            "int_mm": "torch._int_mm (int8 weights)",
+            "qlinear": "oneDNN's qlinear (weights rounded to 7 bits for it: AVX2's byte pairs saturate at 8)"}[kernel])
+    _INT8_MATMULS[device.type] = kernel
+    return kernel
+
+
+def _probe_bytes(device: torch.device, low: int, high: int, w_value: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Rows at both ends of a byte range against a weight at ``w_value``: where a kernel saturates."""
+    k = 256
+    x = torch.full((MANY_ROWS_PROBE, k), low, dtype=torch.int8, device=device)
+    x[::2] = high
+    w = torch.full((64, k), w_value, dtype=torch.int8, device=device)
+    return x, w, k
 
 
 def int_mm_exact(device: torch.device) -> bool:
     """Whether ``torch._int_mm`` gives exact int32 sums on ``device`` for bytes at the ends of int8's
-    range (it does on VNNI and AMX; AVX2's kernels saturate), checked once per device kind."""
-    if device.type not in _INT_MM_EXACT:
-        k = 256
-        x = torch.full((MANY_ROWS_PROBE, k), -127, dtype=torch.int8, device=device)
-        w = torch.full((64, k), 127, dtype=torch.int8, device=device)
-        x[::2] = 127
-        try:
-            got = torch._int_mm(x, w.t())
-            exact = bool((got == (x[:, :1].int() * 127 * k)).all())
-        except (RuntimeError, NotImplementedError) as e:
-            log.info("w8a8_int8: no int8 matmul here (%s)", e)
-            exact = False
-        if not exact:
-            log.warning("w8a8_int8: this processor's int8 matmuls are not exact (no VNNI: saturating pair "
-                        "products); activations stay ~15 bits, the int8 weight-only products, at every row count")
-        _INT_MM_EXACT[device.type] = exact
-    return _INT_MM_EXACT[device.type]
+    range (it does on VNNI and AMX; oneDNN capped at AVX2 saturates)."""
+    x, w, k = _probe_bytes(device, -127, 127, 127)
+    try:
+        got = torch._int_mm(x, w.t())
+    except (RuntimeError, NotImplementedError) as e:
+        log.info("w8a8_int8: no int8 matmul here (%s)", e)
+        return False
+    exact = bool((got == (x[:, :1].int() * 127 * k)).all())
+    if not exact:
+        log.info("w8a8_int8: torch._int_mm is not exact here (saturating pair products)")
+    return exact
+
+
+def qlinear_exact() -> bool:
+    """Whether oneDNN's quantized inner product is here and exact on the bytes ``W8A8Linear`` gives it
+    (activations at both ends of int8's range, 7-bit weights at theirs)."""
+    x, w, k = _probe_bytes(torch.device("cpu"), -128, 127, QLINEAR_WEIGHT_LEVELS)
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(w, None)
+        got = _qlinear(x, packed, torch.ones(w.shape[0]), torch.zeros(w.shape[0], dtype=torch.int64))
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        log.info("w8a8_int8: no oneDNN qlinear here (%s)", e)
+        return False
+    exact = bool((got.double() == (x[:, :1].double() * QLINEAR_WEIGHT_LEVELS * k)).all())
+    if not exact:
+        log.info("w8a8_int8: oneDNN's qlinear is not exact here")
+    return exact
 
 
 MANY_ROWS_PROBE = 32  # (CUDA's _int_mm wants more than 16 rows)
