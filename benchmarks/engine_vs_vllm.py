@@ -27,6 +27,7 @@ Prints the table with the processor's flags, writes JSON and a PNG plot to --res
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -160,8 +161,9 @@ def prefill_flops(model: dict, tokens: int) -> float:
 
 def gemm_peak_child(output_path: str, threads: int, dtypes: str) -> None:
     """The processor's matmul peak as torch reaches it with ``threads`` threads, in float32 (MKL),
-    bfloat16 (oneDNN: AMX tiles or bf16 dot products where present) and int8 (``torch._int_mm``, int32
-    sums: oneDNN's VNNI or AMX int8 kernels, w8a8's prefill products): the best over a few large
+    bfloat16 (oneDNN: AMX tiles or bf16 dot products where present) and int8 (w8a8's prefill products
+    through the kernel it takes here: ``torch._int_mm``, oneDNN's VNNI or AMX int8 kernels, or oneDNN's
+    qlinear with 7-bit weights on AVX2; ``formats.int8_matmuls``): the best over a few large
     shapes (m x n x k) of the median of 5 ``torch.mm`` calls after one, as the shape that suits the
     processor differs (on 2 AMX Xeon cores bfloat16 gave ~1.9 TFLOP/s at 4,096^3 and ~2.9 at
     2,048 x 4,096 x 1,024); run under the same ISA caps as the engines. ``dtypes``: comma-separated,
@@ -173,9 +175,20 @@ def gemm_peak_child(output_path: str, threads: int, dtypes: str) -> None:
     for dtype in (getattr(torch, name) for name in dtypes.split(",")):
         best = 0.0
         for m, n, k in ((4096, 4096, 4096), (2048, 4096, 1024), (2048, 3072, 576)):
-            if dtype == torch.int8:
-                a, b = torch.randint(-127, 128, (m, k), dtype=dtype), torch.randint(-127, 128, (k, n), dtype=dtype)
-                mm = torch._int_mm
+            if dtype == torch.int8:  # the kernel W8A8Linear takes here (torch's _int_mm is ~3 GOP/s without VNNI)
+                from pdserve.engine.quant.formats import QLINEAR_WEIGHT_LEVELS, _qlinear, int8_matmuls
+
+                kernel = int8_matmuls(torch.device("cpu"))
+                a = torch.randint(-127, 128, (m, k), dtype=dtype)
+                if kernel == "qlinear":
+                    w = torch.randint(-QLINEAR_WEIGHT_LEVELS, QLINEAR_WEIGHT_LEVELS + 1, (n, k), dtype=dtype)
+                    b = torch.ops.onednn.qlinear_prepack(w, None)
+                    ones, zeros = torch.ones(n), torch.zeros(n, dtype=torch.int64)
+                    mm = functools.partial(_qlinear, w_scale=ones, w_zero=zeros)
+                elif kernel == "int_mm":
+                    b, mm = torch.randint(-127, 128, (k, n), dtype=dtype), torch._int_mm
+                else:
+                    break
             else:
                 a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
                 mm = torch.mm
