@@ -380,6 +380,7 @@ SERVERS = {"vllm": "vllm serve", "vllm-bf16": "vllm serve --dtype bfloat16",
            "colocated-p512": "pdserve colocated, --max-prefill-tokens 512", "1p1d": "pdserve 1 prefill + 1 decode",
            "1p1d-bf16-kv16": "pdserve 1 prefill + 1 decode, bf16 weights and KV cache",
            "1p1d-bf16-kv8": "pdserve 1 prefill + 1 decode, bf16 weights, int8 KV cache",
+           "colocated-w8a8": "pdserve colocated, w8a8_int8",
            "colocated-w8a8-kv8": "pdserve colocated, w8a8_int8, int8 KV cache",
            "1p1d-w8a8-kv8": "pdserve 1 prefill + 1 decode, w8a8_int8, int8 KV cache"}
 
@@ -419,6 +420,8 @@ def serve_servers(args, port: int) -> dict[str, list[str]]:
                                    "--kv-cache-dtype", "bfloat16"],
         "1p1d-bf16-kv8": lambda: [*pd("1p1d-bf16-kv8"), "--prefill", "1", "--decode", "1", "--quantization", "bf16",
                                   "--kv-cache-dtype", "int8"],
+        "colocated-w8a8": lambda: [*pd("colocated-w8a8"), "--prefill", "0", "--decode", "1",
+                                   "--quantization", "w8a8_int8"],
         "colocated-w8a8-kv8": lambda: [*pd("colocated-w8a8-kv8"), "--prefill", "0", "--decode", "1",
                                        "--quantization", "w8a8_int8", "--kv-cache-dtype", "int8"],
         "1p1d-w8a8-kv8": lambda: [*pd("1p1d-w8a8-kv8"), "--prefill", "1", "--decode", "1", "--quantization",
