@@ -232,8 +232,8 @@ class EngineConfig:
     )
     quantization: Literal["none", "int8", "w8a8_int8", "int4", "awq", "fp8", "gguf", "bf16"] = doc(
         "none", "quantization of the decoder layers' projections, built at load: int8 (per channel, weights only), "
-        "w8a8_int8 (int8 weights and, in prefill chunks, int8 activations per token: fast where the processor has "
-        "VNNI or AMX), "
+        "w8a8_int8 (int8 weights and, in prefill chunks, int8 activations per token through oneDNN's int8 kernels: "
+        "VNNI or AMX, or on AVX2 its qlinear with 7-bit weights; SmoothQuant scales calibrated at load), "
         "int4 (per group), awq (int4 with activation-aware scales calibrated at load), fp8 (CUDA GPUs with FP8 "
         "only), gguf (keep a .gguf file's own quantized blocks, dequantised per matmul), bf16 (bfloat16 weights, "
         "the output head's too, with float32 activations, norms and KV cache: the matmuls in bfloat16, fast on "
