@@ -106,7 +106,7 @@ def test_w8a8_without_an_exact_int8_matmul_keeps_one_weight_and_the_weight_only_
     w, _ = weight_and_input
     x = torch.randn(64, 384, generator=torch.Generator().manual_seed(2))
     layer = W8A8Linear(w)
-    assert not layer.int_mm and layer.mm_weight is None
+    assert layer.kernel is None and layer.mm_weight is None
     assert torch.equal(layer(x), Int8Linear(w)(x))
 
 

@@ -16,7 +16,7 @@ two int8 parts per 32 inputs (~15 bits), below 256 rows; the heads at every row 
 | method | what | module |
 |---|---|---|
 | ``int8`` | per-output-channel symmetric int8 | ``formats.Int8Linear`` |
-| ``w8a8_int8`` | ``int8``'s weights; prefill chunks' activations int8 per token (VNNI) | ``formats.W8A8Linear`` |
+| ``w8a8_int8`` | ``int8``'s weights; prefill chunks' activations int8 per token (VNNI, AVX2) | ``formats.W8A8Linear`` |
 | ``int4`` | 4-bit, one scale and zero per ``quantization_group_size`` inputs | ``formats.Int4Linear`` |
 | ``awq`` | int4 after AWQ's activation-aware input scaling, calibrated at load | ``awq`` + ``Int4Linear`` |
 | ``fp8`` | float8 e4m3 weights and activations (CUDA GPUs with FP8 only) | ``formats.Fp8Linear`` |
@@ -33,7 +33,6 @@ import torch
 
 from pdserve.configs import ConfigError
 from pdserve.engine.quant.formats import (
-    QLINEAR_WEIGHT_LEVELS,
     BF16Linear,
     Fp8Linear,
     Int4Linear,
@@ -43,6 +42,7 @@ from pdserve.engine.quant.formats import (
     fp8_supported,
     int4_group_size,
     int8_matmuls,
+    weight_levels,
 )
 
 log = logging.getLogger(__name__)
@@ -115,9 +115,9 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
         return g
 
     input_scales = {}
-    int_mm = method == "w8a8_int8" and int8_matmuls(model.embed_tokens.weight.device) is not None
-    smooth = int_mm and model.config.architecture == "llama"
-    if int_mm and not smooth:  # (the scales fold into Llama's norm layout only, as AWQ's)
+    kernel = int8_matmuls(model.embed_tokens.weight.device) if method == "w8a8_int8" else None
+    smooth = kernel is not None and model.config.architecture == "llama"
+    if kernel is not None and not smooth:  # (the scales fold into Llama's norm layout only, as AWQ's)
         log.info("w8a8_int8: a %s model is not smoothed (SmoothQuant's scales fold into Llama's norms)",
                  model.config.architecture)
     if method == "awq" or smooth:
@@ -130,8 +130,7 @@ def quantize_model(model, method: str, group_size: int = 32, gguf_path: Path | N
         if method == "awq":
             input_scales = apply_awq(model, calibration_ids, group_of)
         else:
-            levels = QLINEAR_WEIGHT_LEVELS if int8_matmuls(calibration_ids.device) == "qlinear" else 127
-            input_scales = apply_smoothquant(model, calibration_ids, levels)
+            input_scales = apply_smoothquant(model, calibration_ids, weight_levels(kernel))
     for i in range(len(model.layers)):
         for suffix in LAYER_LINEARS:
             name = f"layers.{i}.{suffix}"

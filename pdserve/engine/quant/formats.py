@@ -6,7 +6,7 @@ shape and dtype as ``model.Linear``:
 | class | weight | matmul |
 |---|---|---|
 | ``Int8Linear`` | int8, one symmetric scale per output row | ``aten._weight_int8pack_mm`` |
-| ``W8A8Linear`` | int8 as ``Int8Linear``, activations int8 per row from 32 rows | ``torch._int_mm`` |
+| ``W8A8Linear`` | as ``Int8Linear``; activations int8 per row, 32+ rows | ``_int_mm`` (VNNI), oneDNN qlinear (AVX2) |
 | ``Int4Linear`` | 4-bit, asymmetric per group of ``group_size`` inputs | ``aten._weight_int4pack_mm_for_cpu`` |
 | ``Fp8Linear`` | float8 e4m3, per-tensor or per-row scale | ``torch._scaled_mm`` (CUDA, FP8 GPUs only) |
 | ``BF16Linear`` | bfloat16 (float32 activations) | C kernels (1-4 rows), oneDNN bfloat16 with a packed weight |
@@ -165,11 +165,10 @@ class W8A8Linear(Int8Linear):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__(weight)
-        self.kernel = int8_matmuls(weight.device)
-        self.int_mm = self.kernel is not None  # int8 activations at all
+        self.kernel = int8_matmuls(weight.device)  # None: no int8 activations here
         self.packed_bytes = 0  # held outside the buffers (oneDNN's opaque layout): for weight_bytes
         q, scale = (None, None) if self.kernel is None else quantize_int8(
-            weight, 127 if self.kernel == "int_mm" else QLINEAR_WEIGHT_LEVELS)  # a second copy only where used
+            weight, weight_levels(self.kernel))  # a second copy only where it is used
         self.register_buffer("mm_scale", None if scale is None else scale.float())
         if self.kernel == "qlinear":
             self.mm_weight = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
@@ -192,6 +191,11 @@ class W8A8Linear(Int8Linear):
 
 
 QLINEAR_WEIGHT_LEVELS = 63  # the qlinear kernel's weights: 7 bits, so no byte pair saturates (W8A8Linear)
+
+
+def weight_levels(kernel: str | None) -> int:
+    """The levels each side of zero of the weight's copy ``kernel`` multiplies (``int8_matmuls``)."""
+    return QLINEAR_WEIGHT_LEVELS if kernel == "qlinear" else 127
 
 
 def _qlinear(xq: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, w_zero: torch.Tensor) -> torch.Tensor:
